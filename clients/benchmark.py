@@ -1,0 +1,292 @@
+"""Offline benchmark client: replay Split CIFAR-10/100 or Mini-ImageNet through any method of
+the paper and report its metrics.
+
+    python -m clients.benchmark run --dataset cifar10 --data ../shared/datasets/cifar10-jpeg.zip \
+        --method aser-mu --mem-size 1000 --seed 0 1 2 --out results/cifar10/aser-mu-m1000.json
+    python -m clients.benchmark table results/cifar10 --out results/cifar10/table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from learner import METHODS, average_accuracy, average_forgetting, make_learner
+from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
+from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
+from learner.metrics import mean_ci95
+
+SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> list[float]:
+    """Test accuracy (percent) on each task's held-out set."""
+    accs = []
+    for classes in tasks:
+        x, y = task_test_set(data, classes)
+        pred = learner.predict(x).cpu()
+        accs.append(100.0 * float((pred == y).float().mean()) if y.numel() else math.nan)
+    return accs
+
+
+def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict:
+    """One full stream for one seed; returns the result record."""
+    device = resolve_device(args.device)
+    torch.manual_seed(seed)
+    learner = make_learner(
+        args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
+        n_candidates=args.n_candidates, replay_batch=args.replay_batch,
+        exclude_current_task=args.exclude_current_task, lr=args.lr, device=device, seed=seed,
+        image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
+    )
+    tasks = data.tasks(args.tasks)
+    stream_gen = torch.Generator().manual_seed(seed)
+    iid = args.method in IID_EPOCHS
+    epochs = (args.epochs or IID_EPOCHS[args.method]) if iid else 1
+    if iid:
+        n_steps = epochs * math.ceil(len(data.train_y) / args.batch_size)
+    else:
+        n_steps = sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(t)).sum()) / args.batch_size) for t in tasks)
+    bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
+    matrix: list[list[float]] = []
+    train_seconds = 0.0
+    if iid:
+        everything = [c for t in tasks for c in t]
+        for _ in range(epochs):
+            t0 = time.perf_counter()
+            for x, y in task_batches(data, everything, args.batch_size, stream_gen):
+                learner.observe(x, y)
+                bar.update(1)
+            train_seconds += time.perf_counter() - t0
+        matrix.append(evaluate(learner, data, tasks))
+    else:
+        for classes in tasks:
+            t0 = time.perf_counter()
+            learner.begin_task(classes)
+            for x, y in task_batches(data, classes, args.batch_size, stream_gen):
+                learner.observe(x, y)
+                bar.update(1)
+            learner.end_task()
+            train_seconds += time.perf_counter() - t0
+            matrix.append(evaluate(learner, data, tasks))
+            bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
+    bar.close()
+    forgetting = average_forgetting(matrix)
+    k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
+    uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
+    return {
+        "method": args.method,
+        "dataset": args.dataset,
+        "mem_size": args.mem_size if args.method in REPLAY_METHODS or args.method == "agem" else None,
+        "seed": seed,
+        "accuracy_matrix": matrix,
+        "average_accuracy": average_accuracy(matrix),
+        "average_forgetting": None if math.isnan(forgetting) else forgetting,
+        "train_seconds": round(train_seconds, 2),
+        "steps": learner.steps,
+        "settings": {
+            "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
+            "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch, "epochs": epochs,
+            "exclude_current_task": args.exclude_current_task, "bf16": args.bf16,
+            "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
+            "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
+        },
+        "device": str(device),
+        "machine": machine_description(device),
+        "torch": torch.__version__,
+        "command": "python -m clients.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True, mininterval=2)
+
+
+def format_matrix(matrix: list[list[float]]) -> str:
+    head = "after \\ task " + " ".join(f"{j + 1:>6}" for j in range(len(matrix[0])))
+    rows = [f"{('task ' + str(i + 1)) if len(matrix) > 1 else 'end':>12} " + " ".join(f"{v:6.1f}" for v in row)
+            for i, row in enumerate(matrix)]
+    return "\n".join([head, *rows])
+
+
+def output_path(out: str, seed: int, several: bool) -> Path:
+    if "{seed}" in out:
+        return Path(out.format(seed=seed))
+    p = Path(out)
+    return p.with_name(f"{p.stem}-seed{seed}{p.suffix or '.json'}") if several else p
+
+
+def cmd_run(args) -> int:
+    try:
+        data = load_dataset(args.dataset, args.data, args.train_per_class, args.test_per_class, args.cache_dir)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for seed in args.seed:
+        result = run_once(args, data, seed, progress=not args.quiet)
+        fgt = result["average_forgetting"]
+        print(f"\n{args.method} on {args.dataset}, M={args.mem_size}, seed {seed}: "
+              f"A_T = {result['average_accuracy']:.2f}%, F_T = {'n/a' if fgt is None else f'{fgt:.2f}%'}, "
+              f"{result['train_seconds']:.0f}s training, {result['steps']} steps")
+        print(format_matrix(result["accuracy_matrix"]))
+        if args.out:
+            path = output_path(args.out, seed, len(args.seed) > 1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {path}")
+    return 0
+
+
+def load_results(folder: Path) -> list[dict]:
+    results = []
+    for f in sorted(folder.rglob("*.json")):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(r, dict) and "accuracy_matrix" in r and "method" in r:
+            results.append(r)
+    return results
+
+
+def _fmt(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    mean, ci = mean_ci95(values)
+    return f"{mean:.1f} ± {ci:.1f}" if not math.isnan(ci) else f"{mean:.1f}"
+
+
+def cmd_table(args) -> int:
+    results = load_results(Path(args.folder))
+    if not results:
+        print(f"error: no result files in {args.folder}", file=sys.stderr)
+        return 2
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[(r["dataset"], r["mem_size"] or 0, r["method"])].append(r)
+    order = {m: i for i, m in enumerate(METHODS)}
+    lines = ["| dataset | M | method | seeds | A_T (%) | F_T (%) | train s / run | train set |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (dataset, mem, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99))):
+        acc = [r["average_accuracy"] for r in rs]
+        fgt = [r["average_forgetting"] for r in rs if r["average_forgetting"] is not None]
+        secs = sum(r["train_seconds"] for r in rs) / len(rs)
+        lines.append(f"| {dataset} | {mem or '-'} | {method} | {len(rs)} | {_fmt(acc)} | {_fmt(fgt)} | "
+                     f"{secs:.0f} | {rs[0]['settings']['train_samples']} |")
+    table = "\n".join(lines) + "\n\nMean ± 95% CI (t-interval) over seeds.\n"
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table)
+    if args.plot:
+        plot_accuracy(groups, Path(args.plot))
+    return 0
+
+
+def plot_accuracy(groups: dict, path: Path) -> None:
+    """Average accuracy on the tasks observed so far, after each task (the paper's Figure 2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (dataset, mem, method), rs in sorted(groups.items()):
+        curves = [[sum(row[: i + 1]) / (i + 1) for i, row in enumerate(r["accuracy_matrix"])] for r in rs
+                  if len(r["accuracy_matrix"]) > 1]
+        if not curves:
+            continue
+        arr = np.array(curves)
+        x = np.arange(1, arr.shape[1] + 1)
+        mean = arr.mean(0)
+        ax.plot(x, mean, marker="o", label=f"{method} (M={mem})")
+        if len(curves) > 1:
+            ci = np.array([mean_ci95(list(arr[:, i]))[1] for i in range(arr.shape[1])])
+            ax.fill_between(x, mean - ci, mean + ci, alpha=0.2)
+    ax.set_xlabel("tasks trained")
+    ax.set_ylabel("average accuracy on observed tasks (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m clients.benchmark", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="replay a class-incremental stream through one method")
+    run.add_argument("--dataset", required=True, choices=["cifar10", "cifar100", "mini-imagenet"])
+    run.add_argument("--data", required=True, help="dataset path: pickle folder, image folder or .zip")
+    run.add_argument("--method", required=True, choices=METHODS)
+    run.add_argument("--mem-size", type=int, default=1000, help="replay memory size M")
+    run.add_argument("--seed", type=int, nargs="+", default=[0], help="one or several seeds")
+    run.add_argument("--out", help="result JSON path ({seed} is replaced; several seeds add -seedN)")
+    run.add_argument("--train-per-class", type=int, help="use only the first N training images of each class")
+    run.add_argument("--test-per-class", type=int, help="use only the first N test images of each class")
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    run.add_argument("--k", type=int, help="K of KNN-SV (default: the paper's for the dataset)")
+    run.add_argument("--n-candidates", type=int, help="N_c (default: the paper's for the dataset)")
+    run.add_argument("--lr", type=float, default=0.1)
+    run.add_argument("--batch-size", type=int, default=10, help="incoming mini-batch size b")
+    run.add_argument("--replay-batch", type=int, default=10, help="replay batch size b_M")
+    run.add_argument("--tasks", type=int, help="number of tasks (default: 5 for CIFAR-10, 10 otherwise)")
+    run.add_argument("--epochs", type=int, help="epochs of iid-online/iid-offline (default 1 / 5)")
+    run.add_argument("--exclude-current-task", action="store_true",
+                     help="the appendix's retrieval trick: never replay samples of the current task")
+    run.add_argument("--bf16", action="store_true", help="bf16 autocast (off by default)")
+    run.add_argument("--threads", type=int, help="torch intra-op threads")
+    run.add_argument("--cache-dir", help="where decoded image folders are cached")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=cmd_run)
+    table = sub.add_parser("table", help="markdown table (mean ± 95%% CI) and plot from result files")
+    table.add_argument("folder")
+    table.add_argument("--out", help="write the markdown table here")
+    table.add_argument("--plot", help="write the accuracy-over-tasks plot (PNG) here")
+    table.set_defaults(func=cmd_table)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

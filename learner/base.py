@@ -1,0 +1,152 @@
+"""The common frame of every method: a model, plain SGD, and one `observe` step per batch.
+
+A learner is fed uint8 images [b, 3, H, W] with integer labels, one mini-batch at a time,
+each batch once. Labels beyond the head's width grow the head (a service does not know its
+classes in advance). Task boundaries are optional hints (`begin_task`, `end_task`) that only
+the task-aware baselines (AGEM, EWC, the retrieval trick) use.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.nn import functional as F
+
+from .model import ReducedResNet18, scale_pixels
+
+
+class ContinualLearner:
+    name = "learner"
+
+    def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
+                 device: str | torch.device = "cpu", seed: int = 0, channels_last: bool = True,
+                 autocast_dtype: torch.dtype | None = None):
+        self.device = torch.device(device)
+        self.image_shape = tuple(image_shape)
+        self.lr = lr
+        self.channels_last = channels_last
+        self.autocast_dtype = autocast_dtype
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = ReducedResNet18(num_classes, input_size=self.image_shape[1])
+        self.model.to(self.device)
+        if channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        self.model.train()
+        self.optimizer = self._make_optimizer()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0  # bumps with every weight change; names the weights features came from
+        self.steps = 0
+        self.samples_seen = 0
+        self.current_task_classes: torch.Tensor | None = None
+
+    # --- the step ----------------------------------------------------------------------
+    def observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
+        """Learn from one incoming mini-batch B_n (seen once). Returns step statistics."""
+        if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != self.image_shape:
+            raise ValueError(f"expected uint8 images [b, {', '.join(map(str, self.image_shape))}], "
+                             f"got {images.dtype} {tuple(images.shape)}")
+        images, labels = images.to(self.device), labels.to(self.device, torch.long)
+        self.ensure_classes(int(labels.max()) + 1)
+        stats = self._observe(images, labels)
+        self.steps += 1
+        self.samples_seen += images.shape[0]
+        return stats
+
+    def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def begin_task(self, classes) -> None:
+        """Optional hint: the classes of the task that starts now."""
+        self.current_task_classes = torch.as_tensor(list(classes), dtype=torch.long, device=self.device)
+
+    def end_task(self) -> None:
+        """Optional hint: the current task has ended."""
+
+    # --- helpers shared by the methods -------------------------------------------------
+    def to_input(self, images: torch.Tensor) -> torch.Tensor:
+        x = scale_pixels(images)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+    @contextmanager
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            yield
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                yield
+
+    def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(self.to_input(images))
+        return F.cross_entropy(logits.float(), labels)
+
+    def sgd_step(self, images: torch.Tensor, labels: torch.Tensor, extra_loss=None) -> float:
+        """One SGD step on the mean cross-entropy of (images, labels)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(images, labels)
+        if extra_loss is not None:
+            loss = loss + extra_loss()
+        loss.backward()
+        self.optimizer.step()
+        self.version += 1
+        return loss.detach()
+
+    def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""
+        return self._eval_map(self.model.features, images, batch_size)
+
+    def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        return self._eval_map(self.model, images, batch_size)
+
+    def predict(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        return self.logits(images, batch_size).argmax(1)
+
+    def _eval_map(self, fn, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode(), self._autocast():
+                outs = [fn(self.to_input(images[i:i + batch_size].to(self.device)))
+                        for i in range(0, images.shape[0], batch_size)]
+            return torch.cat(outs).float().clone() if outs else torch.zeros(0)
+        finally:
+            self.model.train(was_training)
+
+    @property
+    def num_classes(self) -> int:
+        return self.model.num_classes
+
+    def ensure_classes(self, n: int) -> None:
+        """Grow the head to at least n classes (new rows start from the default init)."""
+        if n > self.model.num_classes:
+            self.model.grow(n)
+            self.optimizer = self._make_optimizer()
+            self.version += 1
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=self.lr)
+
+    # --- persistence -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "method": self.name,
+            "num_classes": self.model.num_classes,
+            "model": self.model.state_dict(),
+            "generator": self.generator.get_state(),
+            "version": self.version,
+            "steps": self.steps,
+            "samples_seen": self.samples_seen,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["method"] != self.name:
+            raise ValueError(f"state is for method {state['method']!r}, this learner is {self.name!r}")
+        self.ensure_classes(state["num_classes"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer = self._make_optimizer()
+        self.generator.set_state(state["generator"])
+        self.version = state["version"] + 1  # cached features from before the load are stale
+        self.steps = state["steps"]
+        self.samples_seen = state["samples_seen"]

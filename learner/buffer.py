@@ -1,0 +1,116 @@
+"""The replay memory M: fixed capacity, preallocated tensors, per-slot feature cache.
+
+Images are kept as uint8 [M, 3, H, W] (the raw pixels; the learner scales them to [0, 1]),
+labels as int64. `features` caches f_ext of each slot together with the model version that
+produced it, so a step never runs the feature extractor twice on the same sample under the
+same weights (the update after step n and the retrieval before step n+1 share weights).
+
+>>> import torch
+>>> buf = ReplayBuffer(capacity=4, image_shape=(3, 2, 2))
+>>> buf.write(torch.tensor([0, 1]), torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.tensor([7, 8]))
+>>> len(buf), buf.class_counts()
+(2, {7: 1, 8: 1})
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReplayBuffer:
+    def __init__(self, capacity: int, image_shape: tuple[int, int, int], device: str | torch.device = "cpu"):
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.image_shape = tuple(image_shape)
+        self.device = torch.device(device)
+        self.images = torch.zeros((capacity, *self.image_shape), dtype=torch.uint8, device=self.device)
+        self.labels = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
+        self.size = 0  # slots 0..size-1 are filled
+        self.n_seen = 0  # stream samples offered to the buffer so far (reservoir's n)
+        self.features: torch.Tensor | None = None
+        self.feature_version = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def is_full(self) -> bool:
+        return self.size >= self.capacity
+
+    def write(self, slots: torch.Tensor, images: torch.Tensor, labels: torch.Tensor,
+              features: torch.Tensor | None = None, version: int = -1) -> None:
+        """Store samples in `slots` (which must be filled or the next free ones)."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(self.device)
+        self.images[slots] = images.to(self.device)
+        self.labels[slots] = labels.to(self.device)
+        if features is not None:
+            self._ensure_feature_store(features.shape[1], features.dtype)
+            self.features[slots] = features.to(self.device)
+            self.feature_version[slots] = version
+        else:
+            self.feature_version[slots] = -1
+        self.size = max(self.size, int(slots.max()) + 1)
+
+    def append(self, images: torch.Tensor, labels: torch.Tensor, **cached) -> torch.Tensor:
+        """Fill free slots with as many samples as fit; returns the slots used."""
+        n = min(self.capacity - self.size, images.shape[0])
+        slots = torch.arange(self.size, self.size + n, device=self.device)
+        if n:
+            feats = cached.get("features")
+            self.write(slots, images[:n], labels[:n],
+                       None if feats is None else feats[:n], cached.get("version", -1))
+        return slots
+
+    def class_counts(self) -> dict[int, int]:
+        labels, counts = torch.unique(self.labels[: self.size], return_counts=True)
+        return {int(c): int(n) for c, n in zip(labels.tolist(), counts.tolist())}
+
+    def class_slots(self, eligible: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """Filled slots grouped by label, each group in slot order; `eligible` masks slots."""
+        filled = torch.arange(self.size, device=self.device)
+        if eligible is not None:
+            filled = filled[eligible[: self.size]]
+        labels = self.labels[filled]
+        order = torch.sort(labels, stable=True)
+        uniq, counts = torch.unique_consecutive(order.values, return_counts=True)
+        groups = torch.split(filled[order.indices], counts.tolist())
+        return {int(c): g for c, g in zip(uniq.tolist(), groups)}
+
+    # --- feature cache -----------------------------------------------------------------
+    def _ensure_feature_store(self, dim: int, dtype: torch.dtype) -> None:
+        if self.features is None or self.features.shape[1] != dim or self.features.dtype != dtype:
+            self.features = torch.zeros((self.capacity, dim), dtype=dtype, device=self.device)
+            self.feature_version.fill_(-1)
+
+    def cached_mask(self, slots: torch.Tensor, version: int) -> torch.Tensor:
+        return self.feature_version[slots] == version
+
+    def store_features(self, slots: torch.Tensor, features: torch.Tensor, version: int) -> None:
+        self._ensure_feature_store(features.shape[1], features.dtype)
+        self.features[slots] = features
+        self.feature_version[slots] = version
+
+    # --- persistence -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "capacity": self.capacity,
+            "image_shape": self.image_shape,
+            "images": self.images[: self.size].cpu(),
+            "labels": self.labels[: self.size].cpu(),
+            "n_seen": self.n_seen,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["capacity"] != self.capacity or tuple(state["image_shape"]) != self.image_shape:
+            raise ValueError("buffer state does not match this buffer's capacity or image shape")
+        self.images.zero_()
+        self.labels.fill_(-1)
+        self.size = 0
+        n = state["labels"].shape[0]
+        self.write(torch.arange(n, device=self.device), state["images"], state["labels"])
+        self.size = n
+        self.n_seen = int(state["n_seen"])
+        self.feature_version.fill_(-1)

@@ -1,0 +1,44 @@
+"""The paper's metrics on the accuracy matrix a[i][j]: test accuracy on task j after training
+on tasks 1..i (0-based here).
+
+>>> a = [[0.9, 0.0], [0.6, 0.8]]
+>>> round(average_accuracy(a), 4), round(average_forgetting(a), 4)
+(0.7, 0.3)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def average_accuracy(matrix: Sequence[Sequence[float]]) -> float:
+    """A_T = 1/T * sum_j a_{T,j}: the mean of the last row."""
+    last = list(matrix[-1])
+    return sum(last) / len(last)
+
+
+def forgetting(matrix: Sequence[Sequence[float]], i: int, j: int) -> float:
+    """f_{i,j} = max_{l < i} a_{l,j} - a_{i,j} (0-based i, j < i)."""
+    if not 0 <= j < i < len(matrix):
+        raise ValueError(f"forgetting needs 0 <= j < i < T, got i={i}, j={j}")
+    return max(matrix[l][j] for l in range(i)) - matrix[i][j]
+
+
+def average_forgetting(matrix: Sequence[Sequence[float]]) -> float:
+    """F_T = 1/(T-1) * sum_{j<T} f_{T,j}; undefined (nan) for a single task."""
+    t = len(matrix)
+    if t < 2:
+        return math.nan
+    return sum(forgetting(matrix, t - 1, j) for j in range(t - 1)) / (t - 1)
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and half-width of the 95% t-interval over runs (as the paper reports)."""
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    return mean, float(stats.t.ppf(0.975, n - 1) * stats.sem(values))

@@ -1,0 +1,102 @@
+"""The reduced ResNet18 of the paper (nf=20), split into feature extractor and head.
+
+The latent space of ASER is the feature extractor's output (`features`), the input of the
+linear classifier. The head can grow when a class never seen before arrives.
+
+>>> import torch
+>>> net = ReducedResNet18(num_classes=10)
+>>> sum(p.numel() for p in net.parameters())
+1094750
+>>> net.features(torch.zeros(2, 3, 32, 32)).shape
+torch.Size([2, 160])
+>>> net.grow(12)
+>>> net(torch.zeros(1, 3, 32, 32)).shape
+torch.Size([1, 12])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def scale_pixels(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels [n, 3, H, W] -> float model input in [0, 1] (the reference's ToTensor)."""
+    return images.float() / 255
+
+
+def _conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_planes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = _conv3x3(in_planes, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = _conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, planes, kernel_size=1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ReducedResNet18(nn.Module):
+    """ResNet18 with 20 base filters (GEM/MIR/ASER's "reduced ResNet18").
+
+    Inputs are float images in [0, 1], shape [n, 3, H, W]. The final 4x4 average pooling
+    follows the reference: 32x32 inputs give a 160-d latent space, 84x84 inputs 640-d.
+    """
+
+    def __init__(self, num_classes: int, nf: int = 20, input_size: int = 32):
+        super().__init__()
+        self.nf = nf
+        self.input_size = input_size
+        self.conv1 = _conv3x3(3, nf)
+        self.bn1 = nn.BatchNorm2d(nf)
+        layers, in_planes = [], nf
+        for mult, stride in ((1, 1), (2, 2), (4, 2), (8, 2)):
+            layers += [BasicBlock(in_planes, nf * mult, stride), BasicBlock(nf * mult, nf * mult)]
+            in_planes = nf * mult
+        self.layers = nn.Sequential(*layers)
+        self.feature_dim = nf * 8 * self._pooled_side(input_size) ** 2
+        self.head = nn.Linear(self.feature_dim, num_classes)
+
+    @staticmethod
+    def _pooled_side(size: int) -> int:
+        for _ in range(3):  # three stride-2 stages, each rounding up like the convolution
+            size = (size + 1) // 2
+        return size // 4
+
+    @property
+    def num_classes(self) -> int:
+        return self.head.out_features
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """f_ext: images [n, 3, H, W] -> latent vectors [n, h]."""
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layers(out)
+        return F.avg_pool2d(out, 4).flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def grow(self, num_classes: int) -> None:
+        """Widen the head to `num_classes` outputs, keeping the rows already learned."""
+        old = self.head
+        if num_classes <= old.out_features:
+            return
+        new = nn.Linear(old.in_features, num_classes, device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight[: old.out_features] = old.weight
+            new.bias[: old.out_features] = old.bias
+        self.head = new

@@ -1,0 +1,62 @@
+"""Experience replay with swappable MemoryUpdate and MemoryRetrieval (Algorithm 1).
+
+Each step: B_M <- retrieve(B_n, M); SGD on B_n u B_M (one forward pass, mean cross-entropy);
+M <- update(B_n, M). ER, MIR, GSS, ASER, ASER_mu and the ablations are all this class with
+different policies (see `learner.methods`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ContinualLearner
+from .buffer import ReplayBuffer
+from .latent import Latent
+from .policy import MemoryRetrieval, MemoryUpdate, StepContext
+
+
+class ReplayLearner(ContinualLearner):
+    def __init__(self, num_classes: int, update: MemoryUpdate, retrieval: MemoryRetrieval, mem_size: int,
+                 replay_batch: int = 10, exclude_current_task: bool = False, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.update_policy = update
+        self.retrieval_policy = retrieval
+        self.replay_batch = replay_batch
+        self.exclude_current_task = exclude_current_task
+        self.buffer = ReplayBuffer(mem_size, self.image_shape, self.device)
+        self.name = f"replay[{update.name}+{retrieval.name}]"
+
+    def context(self) -> StepContext:
+        eligible = None
+        if self.exclude_current_task and self.current_task_classes is not None:
+            eligible = ~torch.isin(self.buffer.labels, self.current_task_classes)
+        return StepContext(latent=Latent(self.extract, self.buffer, self.version), generator=self.generator,
+                           model=self.model, lr=self.lr, num_classes=self.num_classes, to_input=self.to_input,
+                           eligible=eligible)
+
+    def retrieve(self, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if len(self.buffer) == 0 or self.replay_batch == 0:
+            return torch.zeros(0, dtype=torch.long, device=self.device)
+        return self.retrieval_policy.retrieve(self.buffer, images, labels, self.replay_batch, ctx)
+
+    def _observe(self, images, labels):
+        ctx = self.context()
+        slots = self.retrieve(images, labels, ctx)
+        x = torch.cat([images, self.buffer.images[slots]])
+        y = torch.cat([labels, self.buffer.labels[slots]])
+        loss = self.sgd_step(x, y)
+        ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
+        self.update_policy.update(self.buffer, images, labels, ctx)
+        ctx.stats.update(loss=loss, replayed=slots.numel())
+        return ctx.stats
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["buffer"] = self.buffer.state_dict()
+        state["update"] = self.update_policy.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.buffer.load_state_dict(state["buffer"])
+        self.update_policy.load_state_dict(state["update"])
