@@ -4,6 +4,7 @@ the paper and report its metrics.
     python -m clients.benchmark run --dataset cifar10 --data ../shared/datasets/cifar10-jpeg.zip \
         --method aser-mu --mem-size 1000 --seed 0 1 2 --out results/cifar10/aser-mu-m1000.json
     python -m clients.benchmark table results/cifar10 --out results/cifar10/table.md
+    python -m clients.benchmark speed
 """
 
 from __future__ import annotations
@@ -280,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--out", help="write the markdown table here")
     table.add_argument("--plot", help="write the accuracy-over-tasks plot (PNG) here")
     table.set_defaults(func=cmd_table)
+    from .speed import add_parser as add_speed_parser
+
+    add_speed_parser(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch.nn import functional as F
 
-from .model import ReducedResNet18, scale_pixels
+from .model import ReducedResNet18, fold_batchnorm, scale_pixels
 
 
 class ContinualLearner:
@@ -40,6 +40,7 @@ class ContinualLearner:
         self.steps = 0
         self.samples_seen = 0
         self.current_task_classes: torch.Tensor | None = None
+        self._folded = None  # (version, folded f_ext) for inference
 
     # --- the step ----------------------------------------------------------------------
     def observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -95,10 +96,17 @@ class ContinualLearner:
 
     def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""
-        return self._eval_map(self.model.features, images, batch_size)
+        return self._eval_map(self._inference_features(), images, batch_size)
 
     def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        return self._eval_map(self.model, images, batch_size)
+        features, head = self._inference_features(), self.model.head
+        return self._eval_map(lambda x: head(features(x)), images, batch_size)
+
+    def _inference_features(self):
+        """Eval-mode f_ext with BatchNorm folded into the convolutions, built once per weights."""
+        if self._folded is None or self._folded[0] != self.version:
+            self._folded = (self.version, fold_batchnorm(self.model))
+        return self._folded[1]
 
     def predict(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         return self.logits(images, batch_size).argmax(1)

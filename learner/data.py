@@ -104,9 +104,13 @@ def _unpickle(path: Path) -> dict:
         raise DatasetError(f"missing file {path}")
     with open(path, "rb") as f:
         try:
-            return pickle.load(f, encoding="latin1")
+            d = pickle.load(f, encoding="latin1")
         except Exception as exc:  # corrupt or foreign file
             raise DatasetError(f"{path} is not a readable pickle: {exc}") from exc
+    if not isinstance(d, dict):
+        raise DatasetError(f"{path}: expected a pickled dict, got {type(d).__name__}")
+    # the original files are Python 2 pickles (str keys); re-pickled copies may have bytes keys
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in d.items()}
 
 
 def _rows_to_images(rows, where: Path) -> torch.Tensor:
@@ -125,6 +129,7 @@ def _cifar10_pickles(root: Path, name: str) -> ImageDataset:
     t = _unpickle(root / "test_batch")
     meta = root / "batches.meta"
     names = _unpickle(meta)["label_names"] if meta.exists() else [str(i) for i in range(10)]
+    names = [n.decode() if isinstance(n, bytes) else n for n in names]
     return ImageDataset(name, torch.cat(xs), torch.tensor(ys), _rows_to_images(t["data"], root / "test_batch"),
                         torch.tensor(list(t["labels"])), list(names))
 

@@ -100,3 +100,39 @@ class ReducedResNet18(nn.Module):
             new.weight[: old.out_features] = old.weight
             new.bias[: old.out_features] = old.bias
         self.head = new
+
+
+def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conv followed by eval-mode BatchNorm as one conv with bias: W*s, beta - mu*s, s = gamma/sqrt(var+eps)."""
+    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    return conv.weight * scale.view(-1, 1, 1, 1), bn.bias - bn.running_mean * scale
+
+
+@torch.no_grad()
+def fold_batchnorm(net: ReducedResNet18):
+    """f_ext in eval mode with every BatchNorm folded into its convolution.
+
+    Equal to `net.eval(); net.features(x)` up to float rounding, and cheaper: no normalisation
+    passes. The weights are folded once here; call again after the weights change.
+
+    >>> net = ReducedResNet18(10).eval()
+    >>> x = torch.rand(4, 3, 32, 32)
+    >>> torch.allclose(fold_batchnorm(net)(x), net.features(x), atol=1e-5)
+    True
+    """
+    stem = _fold(net.conv1, net.bn1)
+    blocks = []
+    for b in net.layers:
+        short = _fold(b.shortcut[0], b.shortcut[1]) if len(b.shortcut) else None
+        blocks.append((b.conv1.stride, _fold(b.conv1, b.bn1), _fold(b.conv2, b.bn2), short))
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        out = F.relu_(F.conv2d(x, *stem, padding=1))
+        for stride, (w1, b1), (w2, b2), short in blocks:
+            h = F.relu_(F.conv2d(out, w1, b1, stride=stride, padding=1))
+            h = F.conv2d(h, w2, b2, padding=1)
+            res = F.conv2d(out, short[0], short[1], stride=stride) if short is not None else out
+            out = F.relu_(h.add_(res))
+        return F.avg_pool2d(out, 4).flatten(1)
+
+    return features

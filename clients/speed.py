@@ -1,0 +1,148 @@
+"""Speed benchmark of the learner's hot paths, on random-but-fixed data, in one run.
+
+Cases, each timed step by step, interleaved round by round so that a slow moment of a noisy
+machine hits every case alike (ratios are what count):
+- default-step: the bare model's forward+backward+SGD on 20 images with plain PyTorch
+  defaults (NCHW, float32, autograd as is);
+- bare-step: the same step as the learner runs it (channels_last, and bf16 with --bf16);
+- er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
+  10 classes, K=3, N_c=90: the paper's CIFAR-10 settings), replay batch 10;
+- inference-100: logits of 100 images.
+
+    python -m clients.benchmark speed --out results/speed-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from learner import make_learner
+from learner.model import ReducedResNet18
+
+
+def _bare_step(channels_last: bool, autocast_dtype, device, x, y):
+    model = ReducedResNet18(10).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logits = model(x)
+        F.cross_entropy(logits.float(), y).backward()
+        opt.step()
+
+    return step
+
+
+def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int):
+    learner = make_learner(method, num_classes=10, mem_size=mem_size, dataset="cifar10", device=device, seed=0,
+                           autocast_dtype=autocast_dtype)
+    learner.buffer.append(images[:mem_size], labels[:mem_size])
+    learner.buffer.n_seen = 10 * mem_size  # a stream well past the memory size
+    state = {"i": mem_size}
+
+    def step():
+        i = state["i"] % (images.shape[0] - 10)
+        learner.observe(images[i:i + 10], labels[i:i + 10])
+        state["i"] = i + 10
+
+    return step
+
+
+def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, mem_size: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (mem_size + 2000, 3, 32, 32), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, 10, (mem_size + 2000,), generator=g)
+    x20 = (images[:20].float() / 255).to(device)
+    y20 = labels[:20].to(device)
+    dtype = torch.bfloat16 if bf16 else None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    infer_learner = make_learner("er", num_classes=10, mem_size=0, device=device, autocast_dtype=dtype)
+    probe = images[:100]
+    cases = {
+        "default-step": (_bare_step(False, None, device, x20, y20), 20),
+        "bare-step": (_bare_step(True, dtype, device, x20, y20), 20),
+        "er": (_learner_step("er", device, images, labels, dtype, mem_size), 10),
+        "aser": (_learner_step("aser", device, images, labels, dtype, mem_size), 10),
+        "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size), 10),
+        "mir": (_learner_step("mir", device, images, labels, dtype, mem_size), 10),
+        "inference-100": (lambda: infer_learner.logits(probe), 100),
+    }
+    times = {name: [] for name in cases}
+    for r in range(warmup + rounds):
+        for name, (fn, _) in cases.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, (fn, n) in cases.items():
+        med = statistics.median(times[name])
+        out[name] = {"median_ms": round(1000 * med, 2), "samples_per_s": round(n / med, 1),
+                     "p10_ms": round(1000 * sorted(times[name])[len(times[name]) // 10], 2)}
+    return out
+
+
+def ratios(cases: dict) -> dict:
+    ms = {k: v["median_ms"] for k, v in cases.items()}
+    return {
+        "er / bare-step": round(ms["er"] / ms["bare-step"], 3),
+        "aser-mu / er": round(ms["aser-mu"] / ms["er"], 3),
+        "aser / er": round(ms["aser"] / ms["er"], 3),
+        "default-step / bare-step": round(ms["default-step"] / ms["bare-step"], 3),
+    }
+
+
+def cmd_speed(args) -> int:
+    from .benchmark import machine_description, resolve_device
+
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases = measure(device, args.rounds, args.warmup, args.bf16)
+    result = {
+        "device": str(device),
+        "machine": machine_description(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "bf16": args.bf16,
+        "rounds": args.rounds,
+        "cases": cases,
+        "ratios": ratios(cases),
+        "command": f"python -m clients.benchmark speed --device {args.device} --rounds {args.rounds}"
+                   f"{' --bf16' if args.bf16 else ''}{f' --threads {args.threads}' if args.threads else ''}",
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    width = max(map(len, cases))
+    for name, c in cases.items():
+        print(f"{name:<{width}}  {c['median_ms']:8.2f} ms  {c['samples_per_s']:9.1f} samples/s")
+    for name, value in result["ratios"].items():
+        print(f"{name}: {value}")
+    out = Path(args.out or f"results/speed-{device.type}{'-bf16' if args.bf16 else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("speed", help="median ms per step of the hot paths, written to results/speed-<device>.json")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the learner's steps")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_speed)

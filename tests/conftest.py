@@ -1,0 +1,35 @@
+"""Shared fixtures: small slices of the real CIFAR-10 and Mini-ImageNet data in ../shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASETS = ROOT.parent / "shared" / "datasets"
+CIFAR10_ZIP = DATASETS / "cifar10-jpeg.zip"
+MINI_ZIP = DATASETS / "mini-imagenet-slice.zip"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("decoded")
+
+
+@pytest.fixture(scope="session")
+def cifar10_slice(cache_dir):
+    """250 training and 100 test images of each CIFAR-10 class (real JPEG data)."""
+    from learner.data import load_dataset
+
+    if not CIFAR10_ZIP.exists():
+        pytest.fail(f"missing {CIFAR10_ZIP}: the tests need ../shared/datasets beside the checkout")
+    return load_dataset("cifar10", CIFAR10_ZIP, train_per_class=250, test_per_class=100, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def cifar10_more(cache_dir):
+    """500 training and 100 test images of each CIFAR-10 class, for learning checks."""
+    from learner.data import load_dataset
+
+    return load_dataset("cifar10", CIFAR10_ZIP, train_per_class=500, test_per_class=100, cache_dir=cache_dir)

@@ -1,0 +1,96 @@
+"""knn_shapley against the definition: eq. (1) with the utility of eq. (2), by enumeration."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from learner import knn_shapley
+
+
+def shapley_by_enumeration(ev, ev_y, cand, cand_y, k):
+    """Eq. (1): s(i) = 1/N sum_{S subset I\\{i}} [v(S u {i}) - v(S)] / C(N-1, |S|)."""
+    n = cand.shape[0]
+    out = torch.zeros(ev.shape[0], n, dtype=torch.float64)
+    for j in range(ev.shape[0]):
+        dist = ((cand - ev[j]) ** 2).sum(1).sqrt()
+        rank = {i: r for r, i in enumerate(sorted(range(n), key=lambda i: (float(dist[i]), i)))}
+
+        def utility(subset):  # eq. (2)
+            nearest = sorted(subset, key=rank.__getitem__)[:k]
+            return sum(1.0 for i in nearest if cand_y[i] == ev_y[j]) / k
+
+        for i in range(n):
+            others = [x for x in range(n) if x != i]
+            total = 0.0
+            for size in range(n):
+                for subset in itertools.combinations(others, size):
+                    total += (utility(subset + (i,)) - utility(subset)) / math.comb(n - 1, size)
+            out[j, i] = total / n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_matches_enumeration_on_random_sets(seed):
+    g = torch.Generator().manual_seed(seed)
+    n_cand = int(torch.randint(1, 8, (1,), generator=g))
+    n_eval = int(torch.randint(1, 5, (1,), generator=g))
+    k = int(torch.randint(1, 6, (1,), generator=g))  # includes K > N_c
+    cand = torch.randn(n_cand, 4, generator=g, dtype=torch.float64)
+    ev = torch.randn(n_eval, 4, generator=g, dtype=torch.float64)
+    cand_y = torch.randint(0, 3, (n_cand,), generator=g)
+    ev_y = torch.randint(0, 3, (n_eval,), generator=g)
+    expected = shapley_by_enumeration(ev, ev_y, cand, cand_y, k)
+    assert torch.allclose(knn_shapley(ev, ev_y, cand, cand_y, k), expected, atol=1e-12)
+
+
+def test_ties_are_broken_by_candidate_index():
+    ev = torch.zeros(1, 2, dtype=torch.float64)
+    cand = torch.ones(4, 2, dtype=torch.float64)  # all equidistant
+    cand_y = torch.tensor([1, 0, 1, 0])
+    ev_y = torch.tensor([0])
+    got = knn_shapley(ev, ev_y, cand, cand_y, 1)
+    assert torch.allclose(got, shapley_by_enumeration(ev, ev_y, cand, cand_y, 1), atol=1e-12)
+    # with K=1 the lower-indexed of two equidistant matching candidates counts as the nearer
+    assert got[0, 1] > got[0, 3] > 0
+
+
+def test_efficiency_sums_to_utility_of_the_full_set():
+    g = torch.Generator().manual_seed(3)
+    cand, ev = torch.randn(40, 8, generator=g), torch.randn(6, 8, generator=g)
+    cand_y, ev_y = torch.randint(0, 4, (40,), generator=g), torch.randint(0, 4, (6,), generator=g)
+    k = 5
+    values = knn_shapley(ev, ev_y, cand, cand_y, k)
+    nearest = torch.sort(torch.cdist(ev, cand), dim=1, stable=True).indices[:, :k]
+    full_utility = (cand_y[nearest] == ev_y[:, None]).float().sum(1) / k
+    assert torch.allclose(values.sum(1), full_utility, atol=1e-5)
+
+
+def test_signs_follow_property_1():
+    g = torch.Generator().manual_seed(5)
+    cand, ev = torch.randn(30, 3, generator=g), torch.randn(4, 3, generator=g)
+    cand_y, ev_y = torch.randint(0, 2, (30,), generator=g), torch.randint(0, 2, (4,), generator=g)
+    values = knn_shapley(ev, ev_y, cand, cand_y, 3)
+    same = cand_y[None, :] == ev_y[:, None]
+    assert (values[same] > 0).all()
+    assert (values[~same] <= 0).all()
+
+
+def test_shapes_dtype_and_empty_inputs():
+    ev, cand = torch.randn(3, 5), torch.randn(7, 5)
+    out = knn_shapley(ev, torch.zeros(3, dtype=torch.long), cand, torch.zeros(7, dtype=torch.long), 2)
+    assert out.shape == (3, 7) and out.dtype == torch.float32
+    assert knn_shapley(ev[:0], torch.zeros(0, dtype=torch.long), cand, torch.zeros(7, dtype=torch.long), 2).shape == (0, 7)
+    with pytest.raises(ValueError):
+        knn_shapley(ev, torch.zeros(3, dtype=torch.long), cand, torch.zeros(7, dtype=torch.long), 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")
+def test_gpu_matches_cpu():
+    g = torch.Generator().manual_seed(0)
+    cand, ev = torch.randn(90, 160, generator=g), torch.randn(20, 160, generator=g)
+    cand_y, ev_y = torch.randint(0, 10, (90,), generator=g), torch.randint(0, 10, (20,), generator=g)
+    cpu = knn_shapley(ev, ev_y, cand, cand_y, 3)
+    gpu = knn_shapley(ev.cuda(), ev_y.cuda(), cand.cuda(), cand_y.cuda(), 3).cpu()
+    assert torch.allclose(cpu, gpu, atol=1e-6)
