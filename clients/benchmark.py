@@ -67,7 +67,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
         exclude_current_task=args.exclude_current_task, lr=args.lr, device=device, seed=seed,
-        image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
+        image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None, compile=args.compile,
     )
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
@@ -118,6 +118,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch, "epochs": epochs,
             "exclude_current_task": args.exclude_current_task, "bf16": args.bf16,
+            "compile": args.compile,
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
         },
@@ -227,7 +228,7 @@ def plot_accuracy(groups: dict, path: Path) -> None:
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for (dataset, mem, method), rs in sorted(groups.items()):
+    for (_dataset, mem, method), rs in sorted(groups.items()):
         curves = [[sum(row[: i + 1]) / (i + 1) for i, row in enumerate(r["accuracy_matrix"])] for r in rs
                   if len(r["accuracy_matrix"]) > 1]
         if not curves:
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast (off by default)")
+    run.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     run.add_argument("--threads", type=int, help="torch intra-op threads")
     run.add_argument("--cache-dir", help="where decoded image folders are cached")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

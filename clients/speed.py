@@ -4,7 +4,8 @@ Cases, each timed step by step, interleaved round by round so that a slow moment
 machine hits every case alike (ratios are what count):
 - default-step: the bare model's forward+backward+SGD on 20 images with plain PyTorch
   defaults (NCHW, float32, autograd as is);
-- bare-step: the same step as the learner runs it (channels_last, and bf16 with --bf16);
+- bare-step: the same step as the learner runs it (channels_last; bf16 with --bf16,
+  torch.compile with --compile);
 - er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
   10 classes, K=3, N_c=90: the paper's CIFAR-10 settings), replay batch 10;
 - inference-100: logits of 100 images.
@@ -26,26 +27,27 @@ from learner import make_learner
 from learner.model import ReducedResNet18
 
 
-def _bare_step(channels_last: bool, autocast_dtype, device, x, y):
+def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool = False):
     model = ReducedResNet18(10).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward = torch.compile(model) if compile else model
 
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logits = model(x)
+            logits = forward(x)
         F.cross_entropy(logits.float(), y).backward()
         opt.step()
 
     return step
 
 
-def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int):
+def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False):
     learner = make_learner(method, num_classes=10, mem_size=mem_size, dataset="cifar10", device=device, seed=0,
-                           autocast_dtype=autocast_dtype)
+                           autocast_dtype=autocast_dtype, compile=compile)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     learner.buffer.n_seen = 10 * mem_size  # a stream well past the memory size
     state = {"i": mem_size}
@@ -58,7 +60,8 @@ def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size:
     return step
 
 
-def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, mem_size: int = 1000) -> dict:
+def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile: bool = False,
+            mem_size: int = 1000) -> dict:
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (mem_size + 2000, 3, 32, 32), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (mem_size + 2000,), generator=g)
@@ -71,11 +74,11 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, mem_size
     probe = images[:100]
     cases = {
         "default-step": (_bare_step(False, None, device, x20, y20), 20),
-        "bare-step": (_bare_step(True, dtype, device, x20, y20), 20),
-        "er": (_learner_step("er", device, images, labels, dtype, mem_size), 10),
-        "aser": (_learner_step("aser", device, images, labels, dtype, mem_size), 10),
-        "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size), 10),
-        "mir": (_learner_step("mir", device, images, labels, dtype, mem_size), 10),
+        "bare-step": (_bare_step(True, dtype, device, x20, y20, compile), 20),
+        "er": (_learner_step("er", device, images, labels, dtype, mem_size, compile), 10),
+        "aser": (_learner_step("aser", device, images, labels, dtype, mem_size, compile), 10),
+        "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size, compile), 10),
+        "mir": (_learner_step("mir", device, images, labels, dtype, mem_size, compile), 10),
         "inference-100": (lambda: infer_learner.logits(probe), 100),
     }
     times = {name: [] for name in cases}
@@ -88,7 +91,7 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, mem_size
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
     out = {}
-    for name, (fn, n) in cases.items():
+    for name, (_, n) in cases.items():
         med = statistics.median(times[name])
         out[name] = {"median_ms": round(1000 * med, 2), "samples_per_s": round(n / med, 1),
                      "p10_ms": round(1000 * sorted(times[name])[len(times[name]) // 10], 2)}
@@ -111,18 +114,20 @@ def cmd_speed(args) -> int:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cases = measure(device, args.rounds, args.warmup, args.bf16)
+    cases = measure(device, args.rounds, args.warmup, args.bf16, args.compile)
     result = {
         "device": str(device),
         "machine": machine_description(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "bf16": args.bf16,
+        "compile": args.compile,
         "rounds": args.rounds,
         "cases": cases,
         "ratios": ratios(cases),
         "command": f"python -m clients.benchmark speed --device {args.device} --rounds {args.rounds}"
-                   f"{' --bf16' if args.bf16 else ''}{f' --threads {args.threads}' if args.threads else ''}",
+                   f"{' --bf16' if args.bf16 else ''}{' --compile' if args.compile else ''}"
+                   f"{f' --threads {args.threads}' if args.threads else ''}",
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     width = max(map(len, cases))
@@ -130,7 +135,8 @@ def cmd_speed(args) -> int:
         print(f"{name:<{width}}  {c['median_ms']:8.2f} ms  {c['samples_per_s']:9.1f} samples/s")
     for name, value in result["ratios"].items():
         print(f"{name}: {value}")
-    out = Path(args.out or f"results/speed-{device.type}{'-bf16' if args.bf16 else ''}.json")
+    suffix = ("-bf16" if args.bf16 else "") + ("-compile" if args.compile else "")
+    out = Path(args.out or f"results/speed-{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
@@ -143,6 +149,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the learner's steps")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training forward (~30 s per model)")
     p.add_argument("--threads", type=int)
     p.add_argument("--out")
     p.set_defaults(func=cmd_speed)

@@ -54,30 +54,16 @@ class ReplayBuffer:
             self.feature_version[slots] = -1
         self.size = max(self.size, int(slots.max()) + 1)
 
-    def append(self, images: torch.Tensor, labels: torch.Tensor, **cached) -> torch.Tensor:
+    def append(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Fill free slots with as many samples as fit; returns the slots used."""
         n = min(self.capacity - self.size, images.shape[0])
         slots = torch.arange(self.size, self.size + n, device=self.device)
-        if n:
-            feats = cached.get("features")
-            self.write(slots, images[:n], labels[:n],
-                       None if feats is None else feats[:n], cached.get("version", -1))
+        self.write(slots, images[:n], labels[:n])
         return slots
 
     def class_counts(self) -> dict[int, int]:
         labels, counts = torch.unique(self.labels[: self.size], return_counts=True)
         return {int(c): int(n) for c, n in zip(labels.tolist(), counts.tolist())}
-
-    def class_slots(self, eligible: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
-        """Filled slots grouped by label, each group in slot order; `eligible` masks slots."""
-        filled = torch.arange(self.size, device=self.device)
-        if eligible is not None:
-            filled = filled[eligible[: self.size]]
-        labels = self.labels[filled]
-        order = torch.sort(labels, stable=True)
-        uniq, counts = torch.unique_consecutive(order.values, return_counts=True)
-        groups = torch.split(filled[order.indices], counts.tolist())
-        return {int(c): g for c, g in zip(uniq.tolist(), groups)}
 
     # --- feature cache -----------------------------------------------------------------
     def _ensure_feature_store(self, dim: int, dtype: torch.dtype) -> None:

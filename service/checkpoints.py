@@ -1,0 +1,107 @@
+"""Checkpoints of the learner's lineage: weights, RNG and policy state, the replay buffer, and
+`trained_upto` (the last sequence number the model has seen).
+
+Protocol (DESIGN.md): the learner state goes to a file first (temporary name, fsync, rename);
+then one SQLite transaction replaces the buffer rows and adds the checkpoint row naming that
+file and `trained_upto`. A crash before the commit leaves the previous checkpoint in force
+(and an orphan file, removed at the next start); after it, the new one. The buffer rows and
+the file are thus always of the same lineage, and on start the learner resumes from the last
+committed checkpoint and trains again on every acknowledged sample after `trained_upto`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from learner.base import ContinualLearner
+
+from .store import IngestLog
+
+
+class CheckpointStore:
+    def __init__(self, log_store: IngestLog, directory: Path):
+        self.db = log_store.db
+        self.lock = log_store._lock
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        with self.db.conn:
+            self.db.execute("CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                            "file TEXT NOT NULL, trained_upto INTEGER NOT NULL, steps INTEGER NOT NULL, "
+                            "created REAL NOT NULL)")
+            self.db.execute("CREATE TABLE IF NOT EXISTS buffer (slot INTEGER PRIMARY KEY, class_id INTEGER NOT NULL, "
+                            "image BLOB NOT NULL)")
+
+    def latest(self) -> dict | None:
+        rows = list(self.db.query("SELECT * FROM checkpoints ORDER BY id DESC LIMIT 1"))
+        return rows[0] if rows else None
+
+    def save(self, learner: ContinualLearner, trained_upto: int) -> int:
+        """Persist the lineage; returns the checkpoint id once committed."""
+        state = learner.state_dict()
+        buffer = state.pop("buffer", None)
+        if buffer is not None:
+            state["buffer_meta"] = {k: v for k, v in buffer.items() if k not in ("images", "labels")}
+        name = f"learner-{trained_upto:012d}-{time.time_ns()}.pt"
+        _write_atomically(self.directory / name, state)
+        with self.lock:
+            conn = self.db.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if buffer is not None:
+                    conn.execute("DELETE FROM buffer")
+                    images, labels = buffer["images"].numpy(), buffer["labels"].tolist()
+                    conn.executemany("INSERT INTO buffer (slot, class_id, image) VALUES (?, ?, ?)",
+                                     [(i, labels[i], images[i].tobytes()) for i in range(len(labels))])
+                cid = conn.execute("INSERT INTO checkpoints (file, trained_upto, steps, created) VALUES (?, ?, ?, ?)",
+                                   (name, trained_upto, learner.steps, time.time())).lastrowid
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                (self.directory / name).unlink(missing_ok=True)
+                raise
+        self._remove_files_except(name)
+        return cid
+
+    def restore(self, learner: ContinualLearner) -> int:
+        """Load the last committed checkpoint into `learner`; returns its trained_upto (0: none)."""
+        row = self.latest()
+        self._remove_files_except(row["file"] if row else None)
+        if row is None:
+            return 0
+        state = torch.load(self.directory / row["file"], weights_only=True, map_location=learner.device)
+        meta = state.pop("buffer_meta", None)
+        if meta is not None:
+            rows = list(self.db.query("SELECT class_id, image FROM buffer ORDER BY slot"))
+            shape = tuple(meta["image_shape"])
+            images = torch.frombuffer(bytearray(b"".join(r["image"] for r in rows)), dtype=torch.uint8)
+            state["buffer"] = {**meta, "images": images.view(len(rows), *shape),
+                               "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
+        learner.load_state_dict(state)
+        return row["trained_upto"]
+
+    def _remove_files_except(self, keep: str | None) -> None:
+        """Old checkpoint files and orphans of interrupted saves."""
+        for f in self.directory.glob("learner-*.pt*"):
+            if f.name != keep:
+                f.unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, state: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself is durable
+    finally:
+        os.close(dir_fd)

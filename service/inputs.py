@@ -1,0 +1,83 @@
+"""Validation of what clients send: labels, and images (PNG or JPEG, also WebP and BMP),
+exactly image_size x image_size, converted to RGB uint8 [3, H, W]. Bad input is an InputError."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image
+
+ACCEPTED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
+CONVERTIBLE_MODES = {"RGB", "RGBA", "L", "LA", "P"}  # channels we can read as RGB without guessing
+
+
+class InputError(ValueError):
+    """A client's input is invalid; `status` is the HTTP status to answer with."""
+
+    def __init__(self, code: str, detail: str, status: int = 422):
+        super().__init__(detail)
+        self.code, self.detail, self.status = code, detail, status
+
+
+def decode_base64(text: str, what: str = "image") -> bytes:
+    """Standard or URL-safe base64, padding optional."""
+    if not isinstance(text, str) or not text:
+        raise InputError("invalid_base64", f"{what} must be a non-empty base64 string")
+    cleaned = text.strip().replace("-", "+").replace("_", "/")
+    cleaned += "=" * (-len(cleaned) % 4)
+    try:
+        return base64.b64decode(cleaned, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InputError("invalid_base64", f"{what} is not valid base64: {exc}") from exc
+
+
+def decode_image(data: bytes, size: int, max_bytes: int) -> torch.Tensor:
+    """Encoded image bytes -> uint8 [3, size, size]. Raises InputError with a clear reason."""
+    if not data:
+        raise InputError("empty_image", "the image is empty")
+    if len(data) > max_bytes:
+        raise InputError("image_too_large", f"the image has {len(data)} bytes, the limit is {max_bytes}", 413)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                fmt, mode, (w, h) = im.format, im.mode, im.size
+                if fmt not in ACCEPTED_FORMATS:
+                    raise InputError("unsupported_format", f"image format {fmt} is not accepted; send PNG or JPEG", 415)
+                if (w, h) != (size, size):
+                    raise InputError("wrong_shape", f"the image is {w}x{h}, this model takes {size}x{size}")
+                if mode not in CONVERTIBLE_MODES:
+                    raise InputError("unsupported_mode", f"image mode {mode} is not accepted; send RGB or grayscale")
+                im.load()  # decodes fully: truncated or corrupt data fails here
+                rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except InputError:
+        raise
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise InputError("corrupt_image", f"the image cannot be decoded: {exc}") from exc
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """uint8 [3, H, W] -> PNG bytes (for clients and tests)."""
+    buf = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def validate_label(label: object, max_length: int) -> str:
+    """A label is the user's class name: a non-empty printable string of bounded length."""
+    if not isinstance(label, str):
+        raise InputError("invalid_label", f"a label must be a string, got {type(label).__name__}")
+    text = label.strip()
+    if not text:
+        raise InputError("invalid_label", "a label must not be empty")
+    if len(text) > max_length:
+        raise InputError("invalid_label", f"a label has at most {max_length} characters, got {len(text)}")
+    if not text.isprintable():
+        raise InputError("invalid_label", "a label must not contain control characters")
+    return text

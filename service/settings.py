@@ -1,0 +1,57 @@
+"""All service settings in one place: environment variables prefixed ASER_, or a .env file.
+
+>>> Settings(method="er").method
+'er'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ASER_", env_file=".env", extra="ignore")
+
+    # where the SQLite database (ingest log) lives
+    data_dir: Path = Path("data")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # the learner: ASER_mu with the paper's CIFAR-10 settings on 32x32 RGB images
+    method: str = "aser-mu"
+    image_size: int = Field(32, ge=8, le=512)
+    mem_size: int = Field(1000, ge=0)
+    batch_size: int = Field(10, ge=1)
+    replay_batch: int = Field(10, ge=0)
+    k: int = Field(3, ge=1)
+    n_candidates: int = Field(90, ge=1)
+    per_class: int = Field(9, ge=1, description="S_sub and retrieval candidates per class (N_c / classes)")
+    lr: float = Field(0.1, gt=0)
+    device: str = "auto"
+    seed: int = 0
+    max_batch_wait_s: float = Field(2.0, ge=0, description="train a partial batch once its oldest sample waited this long")
+    checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
+
+    # input limits
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_image_bytes: int = Field(1024 * 1024, ge=64)
+    max_samples_per_request: int = Field(1024, ge=1)
+    max_label_length: int = Field(100, ge=1)
+    max_classes: int = Field(1000, ge=1)
+    max_top_k: int = Field(20, ge=1)
+
+    # bearer tokens; when set, writes / reads / admin calls need them (admin works everywhere)
+    write_token: SecretStr | None = None
+    read_token: SecretStr | None = None
+    admin_token: SecretStr | None = None
+
+    @property
+    def database_path(self) -> Path:
+        return self.data_dir / "aser.db"
+
+    @property
+    def auth_enabled(self) -> bool:
+        return any(t is not None for t in (self.write_token, self.read_token, self.admin_token))

@@ -1,0 +1,287 @@
+"""The service as a real uvicorn process on a loopback port, with a temporary data directory."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+
+import httpx
+import pytest
+from PIL import Image
+
+from .conftest import CIFAR10_ZIP, ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, data_dir, **env):
+        self.port = free_port()
+        self.env = {**os.environ, "ASER_DATA_DIR": str(data_dir), "ASER_PORT": str(self.port),
+                    "ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": str(ROOT),
+                    **{f"ASER_{k.upper()}": str(v) for k, v in env.items()}}
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "service"], env=self.env, cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"service exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("service did not become ready")
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def jpegs():
+    """Real CIFAR-10 JPEG files: 20 airplanes, 20 frogs."""
+    with zipfile.ZipFile(CIFAR10_ZIP) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".jpg") and n.startswith("cifar10/train/"))
+        pick = [n for n in names if "/airplane/" in n][:20] + [n for n in names if "/frog/" in n][:20]
+        return [(n.split("/")[2], z.read(n)) for n in pick]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("svc")).start()
+    yield s
+    s.stop()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def status(server):
+    return httpx.get(f"{server.url}/status").json()
+
+
+def wait_trained(server, n, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = status(server)
+        if st["samples_trained"] >= n:
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"only {status(server)['samples_trained']} of {n} trained")
+
+
+def png(size=(32, 32), mode="RGB", fmt="PNG"):
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_ingest_train_and_predict(server, jpegs):
+    r = httpx.post(f"{server.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in jpegs[:30]]})
+    assert r.status_code == 201 and r.json()["accepted"] == 30
+    files = [("image", (f"{i}.jpg", img, "image/jpeg")) for i, (_, img) in enumerate(jpegs[30:])]
+    r = httpx.post(f"{server.url}/samples", files=files, data={"label": [lab for lab, _ in jpegs[30:]]})
+    assert r.status_code == 201 and r.json()["accepted"] == 10
+    r = httpx.post(f"{server.url}/samples", json={"label": "frog", "image": b64(jpegs[-1][1])})
+    assert r.status_code == 201 and r.json()["last_seq"] == 41
+    st = wait_trained(server, 41)
+    assert st["classes"] == ["airplane", "frog"] and st["samples_received"] == 41 and st["backlog"] == 0
+    assert st["buffer_size"] == 41 and set(st["buffer"]) == {"airplane", "frog"}
+
+    image = base64.urlsafe_b64encode(jpegs[0][1]).decode().rstrip("=")
+    r = httpx.get(f"{server.url}/predict", params={"image": image, "k": 5})
+    assert r.status_code == 200
+    top = r.json()["top"]
+    assert {t["label"] for t in top} == {"airplane", "frog"} and abs(sum(t["probability"] for t in top) - 1) < 1e-4
+    assert r.json()["model_version"] >= 1
+    r = httpx.post(f"{server.url}/predict", json={"images": [b64(img) for _, img in jpegs[:4]], "k": 1})
+    assert r.status_code == 200 and len(r.json()["results"]) == 4 and len(r.json()["results"][0]) == 1
+    r = httpx.post(f"{server.url}/predict", files=[("image", ("a.jpg", jpegs[0][1], "image/jpeg"))])
+    assert r.status_code == 200 and len(r.json()["results"]) == 1
+
+
+BAD_REQUESTS = {
+    "corrupt image": (dict(json={"label": "x", "image": b64(b"not an image at all")}), 422, "corrupt_image"),
+    "truncated jpeg": (None, 422, "corrupt_image"),
+    "wrong shape": (dict(json={"label": "x", "image": b64(png((64, 64)))}), 422, "wrong_shape"),
+    "wrong mode": (dict(json={"label": "x", "image": b64(png(mode="CMYK", fmt="JPEG"))}), 422, "unsupported_mode"),
+    "gif": (dict(json={"label": "x", "image": b64(png(fmt="GIF"))}), 415, "unsupported_format"),
+    "bad base64": (dict(json={"label": "x", "image": "%%%"}), 422, "invalid_base64"),
+    "missing label": (dict(json={"image": b64(png())}), 422, "invalid_request"),
+    "empty label": (dict(json={"label": "  ", "image": b64(png())}), 422, "invalid_label"),
+    "long label": (dict(json={"label": "x" * 101, "image": b64(png())}), 422, "invalid_label"),
+    "number label": (dict(json={"label": 7, "image": b64(png())}), 422, "invalid_label"),
+    "control chars": (dict(json={"label": "a\x00b", "image": b64(png())}), 422, "invalid_label"),
+    "empty body": (dict(content=b"", headers={"content-type": "application/json"}), 400, "empty_body"),
+    "bad json": (dict(content=b"{", headers={"content-type": "application/json"}), 400, "invalid_json"),
+    "empty list": (dict(json={"samples": []}), 400, "invalid_request"),
+    "text body": (dict(content=b"hello", headers={"content-type": "text/plain"}), 415, "unsupported_media_type"),
+    "huge body": (dict(content=b"0" * (17 * 1024 * 1024), headers={"content-type": "application/json"}), 413,
+                  "body_too_large"),
+    "label count": (dict(files=[("image", ("a.png", png(), "image/png"))] * 2, data={"label": ["a", "b", "c"]}), 422,
+                    "invalid_request"),
+    "one bad of two": (dict(json={"samples": [{"label": "ok", "image": b64(png())},
+                                              {"label": "bad", "image": b64(png((31, 32)))}]}), 422, "wrong_shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_refused_and_changes_nothing(server, jpegs, case):
+    kwargs, code, error = BAD_REQUESTS[case]
+    if case == "truncated jpeg":
+        kwargs = dict(json={"label": "x", "image": b64(jpegs[0][1][: len(jpegs[0][1]) // 2])})
+    before = status(server)
+    r = httpx.post(f"{server.url}/samples", timeout=30, **kwargs)
+    assert r.status_code == code and r.json()["error"] == error, r.text
+    after = status(server)
+    assert after["samples_received"] == before["samples_received"] and after["classes"] == before["classes"]
+
+
+def test_bad_predict_requests(server):
+    assert httpx.get(f"{server.url}/predict").status_code == 422
+    r = httpx.get(f"{server.url}/predict", params={"image": base64.urlsafe_b64encode(png((8, 8))).decode()})
+    assert r.status_code == 422 and r.json()["error"] == "wrong_shape"
+    r = httpx.post(f"{server.url}/predict", json={"images": []})
+    assert r.status_code == 422
+
+
+def test_tokens_guard_writes_and_reads(tmp_path, jpegs):
+    s = Server(tmp_path, write_token="w-secret", read_token="r-secret").start()
+    try:
+        body = {"label": "airplane", "image": b64(jpegs[0][1])}
+        assert httpx.post(f"{s.url}/samples", json=body).status_code == 401
+        assert httpx.post(f"{s.url}/samples", json=body, headers={"Authorization": "Bearer r-secret"}).status_code == 403
+        assert httpx.post(f"{s.url}/samples", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert httpx.get(f"{s.url}/status", headers={"Authorization": "Bearer r-secret"}).json()["samples_received"] == 0
+        r = httpx.post(f"{s.url}/samples", json=body, headers={"Authorization": "Bearer w-secret"})
+        assert r.status_code == 201
+        assert httpx.get(f"{s.url}/status").status_code == 401
+        assert httpx.get(f"{s.url}/healthz").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_refuses_public_bind_without_token(tmp_path):
+    env = {**os.environ, "ASER_DATA_DIR": str(tmp_path), "ASER_HOST": "0.0.0.0", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "service"], env=env, cwd=ROOT, capture_output=True, timeout=60)
+    assert r.returncode == 2 and b"refusing" in r.stderr
+
+
+def buffer_rows_by_class(data_dir) -> dict[str, int]:
+    import sqlite3
+
+    with sqlite3.connect(data_dir / "aser.db") as conn:
+        rows = conn.execute("SELECT c.name, COUNT(*) FROM buffer b JOIN classes c ON c.id = b.class_id "
+                            "GROUP BY c.name").fetchall()
+    return dict(rows)
+
+
+def test_graceful_restart_resumes_the_same_model(tmp_path, jpegs):
+    s = Server(tmp_path, batch_size=5).start()
+    try:
+        r = httpx.post(f"{s.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in jpegs[:25]]})
+        assert r.status_code == 201
+        before = wait_trained(s, 25)
+        probe = {"images": [b64(img) for _, img in jpegs[25:30]], "k": 2}
+        answer = httpx.post(f"{s.url}/predict", json=probe).json()
+    finally:
+        s.stop()  # SIGTERM: the worker checkpoints on the way out
+    assert buffer_rows_by_class(tmp_path) == before["buffer"]
+    s.start()
+    try:
+        after = status(s)
+        for key in ("samples_trained", "trained_upto", "steps", "buffer", "classes"):
+            assert after[key] == before[key], key
+        again = httpx.post(f"{s.url}/predict", json=probe).json()
+        assert again["results"] == answer["results"]
+    finally:
+        s.stop()
+
+
+def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs):
+    """Stream samples, SIGKILL the process at random moments, restart each time: every
+    acknowledged sample is trained on exactly once in the lineage (the count trained equals
+    the count acknowledged and training reached the last sequence number, in order), and the
+    buffer rows in SQLite match the buffer the restarted learner holds."""
+    import random
+
+    rng = random.Random(0)
+    s = Server(tmp_path, batch_size=4, checkpoint_every_steps=2)
+    acked = 0
+    for _ in range(4):
+        s.start()
+        assert status(s)["samples_received"] == acked
+        deadline = time.time() + rng.uniform(0.5, 2.0)
+        while time.time() < deadline:
+            lab, img = jpegs[acked % len(jpegs)]
+            r = httpx.post(f"{s.url}/samples", json={"samples": [{"label": lab, "image": b64(img)}] * 3})
+            assert r.status_code == 201
+            acked += 3
+        s.kill()
+    s.start()
+    try:
+        st = wait_trained(s, acked)
+        assert st["samples_received"] == acked and st["samples_trained"] == acked and st["trained_upto"] == acked
+        assert st["backlog"] == 0
+    finally:
+        s.stop()
+    assert buffer_rows_by_class(tmp_path) == st["buffer"]
+
+
+def test_python_client_covers_the_endpoints(server, jpegs):
+    from clients.api import ServiceClient, ServiceError
+
+    with ServiceClient(server.url) as client:
+        assert client.healthy() and client.ready()
+        before = client.status()["samples_received"]
+        assert client.add_samples(["airplane", "frog"], [jpegs[1][1], jpegs[-2][1]])["accepted"] == 2
+        assert client.add_files("airplane", [jpegs[2][1], jpegs[3][1]], "image/jpeg")["accepted"] == 2
+        assert client.status()["samples_received"] == before + 4
+        answer = client.predict([jpegs[1][1], jpegs[-2][1]], k=2)
+        assert len(answer["results"]) == 2 and {t["label"] for t in answer["results"][0]} <= {"airplane", "frog"}
+        assert client.predict_one(jpegs[1][1], k=1)["top"][0]["label"] in {"airplane", "frog"}
+        with pytest.raises(ServiceError) as err:
+            client.add_samples(["frog"], [b"junk"])
+        assert err.value.status == 422 and err.value.error == "corrupt_image"
+
+
+def test_metrics_in_prometheus_format(server, jpegs):
+    httpx.post(f"{server.url}/samples", json={"label": "airplane", "image": b64(jpegs[4][1])})
+    httpx.post(f"{server.url}/samples", json={"label": "airplane", "image": b64(b"junk")})
+    httpx.get(f"{server.url}/predict", params={"image": base64.urlsafe_b64encode(jpegs[4][1]).decode()})
+    wait_trained(server, status(server)["samples_received"])
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["aser_samples_received_total"] >= 1
+    assert values['aser_requests_rejected_total{error="corrupt_image"}'] >= 1
+    assert values["aser_train_step_seconds_count"] >= 1 and values["aser_predict_seconds_count"] >= 1
+    assert values["aser_backlog_samples"] == 0 and values["aser_model_version"] >= 1
