@@ -1,0 +1,42 @@
+"""The benchmark client end to end on a tiny slice of the real CIFAR-10 data."""
+
+import json
+
+from clients.benchmark import main
+
+from .conftest import CIFAR10_ZIP
+
+
+def run(tmp_path, cache_dir, method, out, *extra):
+    return main(["run", "--dataset", "cifar10", "--data", str(CIFAR10_ZIP), "--method", method,
+                 "--train-per-class", "20", "--test-per-class", "10", "--mem-size", "30", "--quiet",
+                 "--cache-dir", str(cache_dir), "--out", str(out), *extra])
+
+
+def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir, capsys):
+    assert run(tmp_path, cache_dir, "er", tmp_path / "res" / "er.json", "--seed", "0", "1") == 0
+    printed = capsys.readouterr().out
+    assert "A_T =" in printed and "after \\ task" in printed
+    for seed in (0, 1):
+        r = json.loads((tmp_path / "res" / f"er-seed{seed}.json").read_text())
+        assert r["method"] == "er" and r["dataset"] == "cifar10" and r["mem_size"] == 30 and r["seed"] == seed
+        assert len(r["accuracy_matrix"]) == 5 and all(len(row) == 5 for row in r["accuracy_matrix"])
+        assert abs(r["average_accuracy"] - sum(r["accuracy_matrix"][-1]) / 5) < 1e-9
+        assert r["average_forgetting"] is not None and r["steps"] == 20 and r["train_seconds"] > 0
+        assert r["settings"]["train_samples"] == 200 and r["command"].startswith("python -m clients.benchmark")
+
+    assert run(tmp_path, cache_dir, "iid-offline", tmp_path / "res" / "iid.json", "--seed", "0") == 0
+    r = json.loads((tmp_path / "res" / "iid.json").read_text())
+    assert len(r["accuracy_matrix"]) == 1 and r["average_forgetting"] is None
+    assert r["steps"] == 5 * 20 and r["mem_size"] is None  # 5 epochs of 200 images in batches of 10
+
+    table = tmp_path / "table.md"
+    assert main(["table", str(tmp_path / "res"), "--out", str(table), "--plot", str(tmp_path / "acc.png")]) == 0
+    text = table.read_text()
+    assert "| cifar10 | 30 | er | 2 |" in text and "| cifar10 | - | iid-offline | 1 |" in text
+    assert (tmp_path / "acc.png").stat().st_size > 1000
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path, capsys):
+    code = main(["run", "--dataset", "cifar10", "--data", str(tmp_path / "nope"), "--method", "er", "--quiet"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
