@@ -240,6 +240,8 @@ def plot_accuracy(groups: dict, path: Path) -> None:
         if len(curves) > 1:
             ci = np.array([mean_ci95(list(arr[:, i]))[1] for i in range(arr.shape[1])])
             ax.fill_between(x, mean - ci, mean + ci, alpha=0.2)
+        ax.set_xticks(x)
+    ax.set_ylim(0, 100)
     ax.set_xlabel("tasks trained")
     ax.set_ylabel("average accuracy on observed tasks (%)")
     ax.grid(alpha=0.3)

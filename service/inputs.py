@@ -62,13 +62,6 @@ def decode_image(data: bytes, size: int, max_bytes: int) -> torch.Tensor:
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
 
 
-def encode_png(image: torch.Tensor) -> bytes:
-    """uint8 [3, H, W] -> PNG bytes (for clients and tests)."""
-    buf = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def validate_label(label: object, max_length: int) -> str:
     """A label is the user's class name: a non-empty printable string of bounded length."""
     if not isinstance(label, str):

@@ -86,9 +86,5 @@ class IngestLog:
         return ([r["seq"] for r in rows], images.view(len(rows), *self.image_shape),
                 torch.tensor([r["class_id"] for r in rows]), [r["received"] for r in rows])
 
-    def last_seq(self) -> int:
-        row = next(self.db.query("SELECT MAX(seq) AS m FROM samples"))
-        return row["m"] or 0
-
     def count(self) -> int:
         return self.db["samples"].count
