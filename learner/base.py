@@ -99,14 +99,15 @@ class ContinualLearner:
 
     def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""
-        return self._eval_map(self._inference_features(), images, batch_size)
+        return self._eval_map(self.inference_features(), images, batch_size)
 
     def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        features, head = self._inference_features(), self.model.head
+        features, head = self.inference_features(), self.model.head
         return self._eval_map(lambda x: head(features(x)), images, batch_size)
 
-    def _inference_features(self):
-        """Eval-mode f_ext with BatchNorm folded into the convolutions, built once per weights."""
+    def inference_features(self):
+        """Eval-mode f_ext with BatchNorm folded into the convolutions, built once per weights.
+        The folded tensors are new storage: later training steps do not change them."""
         if self._folded is None or self._folded[0] != self.version:
             self._folded = (self.version, fold_batchnorm(self.model))
         return self._folded[1]

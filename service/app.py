@@ -3,6 +3,7 @@ work is in `inputs` (validation), `store` (the ingest log) and `worker` (the lea
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import asynccontextmanager
 
@@ -154,11 +155,8 @@ async def read_samples(request: Request, settings: Settings) -> tuple[list, list
         return labels, blobs
     form = await request.form(max_files=settings.max_samples_per_request + 1,
                               max_fields=settings.max_samples_per_request + 1)
-    files = [f for f in form.getlist("image") if isinstance(f, UploadFile)]
+    files = form_images(form, settings, "samples")
     labels = [v for v in form.getlist("label") if isinstance(v, str)]
-    if not files:
-        raise InputError("invalid_request", "multipart samples need one or more 'image' files", 422)
-    check_count(len(files), settings)
     if len(labels) == 1 and len(files) > 1:
         labels = labels * len(files)  # one label for the whole upload
     if len(labels) != len(files):
@@ -182,11 +180,16 @@ async def read_images(request: Request, settings: Settings) -> tuple[list[bytes]
         check_count(len(items), settings)
         return [decode_base64(t, f"image {i}") for i, t in enumerate(items)], k
     form = await request.form(max_files=settings.max_samples_per_request + 1)
+    return [await f.read() for f in form_images(form, settings, "predictions")], None
+
+
+def form_images(form, settings: Settings, what: str) -> list[UploadFile]:
+    """The 'image' files of a multipart form: at least one, at most the per-request limit."""
     files = [f for f in form.getlist("image") if isinstance(f, UploadFile)]
     if not files:
-        raise InputError("invalid_request", "multipart predictions need one or more 'image' files", 422)
+        raise InputError("invalid_request", f"multipart {what} need one or more 'image' files", 422)
     check_count(len(files), settings)
-    return [await f.read() for f in files], None
+    return files
 
 
 def content_kind(request: Request) -> str:
@@ -203,8 +206,6 @@ async def read_json(request: Request):
     if not body:
         raise InputError("empty_body", "the request body is empty", 400)
     try:
-        import json
-
         return json.loads(body)
     except ValueError as exc:
         raise InputError("invalid_json", f"the body is not valid JSON: {exc}", 400) from exc

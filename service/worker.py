@@ -9,7 +9,6 @@ sample is in the persisted lineage exactly once.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ import torch
 
 from learner import make_learner
 from learner.base import ContinualLearner
-from learner.model import fold_batchnorm, scale_pixels
+from learner.model import scale_pixels
 
 from .checkpoints import CheckpointStore
 from .metrics import Metrics
@@ -42,11 +41,10 @@ class Predictor:
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str]) -> "Predictor":
-        model = copy.deepcopy(learner.model).eval()
-        head = model.head
+        head = learner.model.head
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), head.out_features)
-        return cls(fold_batchnorm(model), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
+        return cls(learner.inference_features(), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
                    tuple(classes[:n]), learner.version, learner.steps)
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
@@ -76,10 +74,7 @@ class LearnerWorker:
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
-        self.predictor = Predictor.from_learner(self.learner, self.store.classes())
-        buffer = getattr(self.learner, "buffer", None)
-        # published after each step, read by /status
-        self.buffer_counts: dict[int, int] = buffer.class_counts() if buffer is not None else {}
+        self.publish()
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -116,6 +111,12 @@ class LearnerWorker:
             log.exception("learner worker stopped")
             self.error = exc
 
+    def publish(self) -> None:
+        """What readers see of the learner, replaced whole (atomic swaps) between steps."""
+        self.predictor = Predictor.from_learner(self.learner, self.store.classes())
+        buffer = getattr(self.learner, "buffer", None)
+        self.buffer_counts: dict[int, int] = buffer.class_counts() if buffer is not None else {}
+
     def train_available(self) -> bool:
         """Train on the next mini-batch if one is due; returns whether a step was taken."""
         b = self.settings.batch_size
@@ -130,9 +131,7 @@ class LearnerWorker:
         self.trained_upto = seqs[-1]
         self.metrics.train_step.observe(self.last_step_seconds)
         self.metrics.samples_trained.inc(len(seqs))
-        self.predictor = Predictor.from_learner(self.learner, self.store.classes())  # atomic swap
-        buffer = getattr(self.learner, "buffer", None)
-        self.buffer_counts = buffer.class_counts() if buffer is not None else {}
+        self.publish()
         if self.learner.steps - self.checkpointed_steps >= self.settings.checkpoint_every_steps:
             self.checkpoint()
         return True
