@@ -12,8 +12,6 @@ import torch
 
 from .buffer import ReplayBuffer
 from .base import ContinualLearner
-from .latent import Latent
-from .policy import StepContext
 from .retrieval import RandomRetrieval
 from .update import ReservoirUpdate
 
@@ -37,8 +35,7 @@ class AGEM(ContinualLearner):
         self.tasks_ended += 1
 
     def _observe(self, images, labels):
-        ctx = StepContext(latent=Latent(self.extract, self.buffer, self.version), generator=self.generator,
-                          model=self.model, lr=self.lr, num_classes=self.num_classes, to_input=self.to_input)
+        ctx = self.step_context(self.buffer)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(images, labels)

@@ -13,7 +13,9 @@ from contextlib import contextmanager
 import torch
 from torch.nn import functional as F
 
+from .latent import Latent
 from .model import ReducedResNet18, fold_batchnorm, scale_pixels
+from .policy import StepContext
 
 
 class ContinualLearner:
@@ -69,6 +71,12 @@ class ContinualLearner:
         """Optional hint: the current task has ended."""
 
     # --- helpers shared by the methods -------------------------------------------------
+    def step_context(self, buffer, eligible: torch.Tensor | None = None) -> StepContext:
+        """What memory policies see of this learner during a step, under the current weights."""
+        return StepContext(latent=Latent(self.extract, buffer, self.version), generator=self.generator,
+                           model=self.model, lr=self.lr, num_classes=self.num_classes, to_input=self.to_input,
+                           eligible=eligible)
+
     def to_input(self, images: torch.Tensor) -> torch.Tensor:
         x = scale_pixels(images)
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x

@@ -30,9 +30,7 @@ class ReplayLearner(ContinualLearner):
         eligible = None
         if self.exclude_current_task and self.current_task_classes is not None:
             eligible = ~torch.isin(self.buffer.labels, self.current_task_classes)
-        return StepContext(latent=Latent(self.extract, self.buffer, self.version), generator=self.generator,
-                           model=self.model, lr=self.lr, num_classes=self.num_classes, to_input=self.to_input,
-                           eligible=eligible)
+        return self.step_context(self.buffer, eligible)
 
     def retrieve(self, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if len(self.buffer) == 0 or self.replay_batch == 0:
