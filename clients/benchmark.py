@@ -61,13 +61,24 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> list[float]
 
 def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict:
     """One full stream for one seed; returns the result record."""
+    if args.via:
+        from .via_service import run_via
+
+        n_steps = sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(t)).sum()) / args.batch_size)
+                      for t in data.tasks(args.tasks))
+        bar = _progress(n_steps, f"{args.method} via {args.via} seed {seed}", progress)
+        result = run_via(args, data, seed, bar)
+        bar.close()
+        return {**result, "machine": "the service's (see device)", "torch": torch.__version__,
+                "command": _command(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     device = resolve_device(args.device)
     torch.manual_seed(seed)
     learner = make_learner(
         args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
         exclude_current_task=args.exclude_current_task, lr=args.lr, device=device, seed=seed,
-        image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None, compile=args.compile,
+        image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
+        latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
     )
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
@@ -117,7 +128,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "settings": {
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch, "epochs": epochs,
-            "exclude_current_task": args.exclude_current_task, "bf16": args.bf16,
+            "exclude_current_task": args.exclude_current_task, "bf16": args.bf16, "bf16_latent": args.bf16_latent,
             "compile": args.compile,
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
@@ -125,9 +136,13 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "device": str(device),
         "machine": machine_description(device),
         "torch": torch.__version__,
-        "command": "python -m clients.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": _command(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _command() -> str:
+    return "python -m clients.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -275,10 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast (off by default)")
+    run.add_argument("--bf16-latent", action="store_true",
+                     help="bf16 for the memory policies' feature passes only; training stays fp32")
     run.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     run.add_argument("--threads", type=int, help="torch intra-op threads")
     run.add_argument("--cache-dir", help="where decoded image folders are cached")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--via", metavar="URL", help="stream through the running service at URL instead of in-process "
+                     "(its ASER_* settings decide the learner; it must be fresh)")
+    run.add_argument("--token", help="with --via: an admin token (it writes and reads)")
     run.set_defaults(func=cmd_run)
     table = sub.add_parser("table", help="markdown table (mean ± 95%% CI) and plot from result files")
     table.add_argument("folder")

@@ -6,6 +6,7 @@ machine hits every case alike (ratios are what count):
   defaults (NCHW, float32, autograd as is);
 - bare-step: the same step as the learner runs it (channels_last; bf16 with --bf16,
   torch.compile with --compile);
+  (--bf16-latent runs only the memory policies' feature passes in bf16, training stays fp32)
 - er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
   10 classes, K=3, N_c=90: the paper's CIFAR-10 settings), replay batch 10;
 - inference-100: logits of 100 images.
@@ -45,9 +46,10 @@ def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool 
     return step
 
 
-def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False):
+def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
+                  latent_dtype=None):
     learner = make_learner(method, num_classes=10, mem_size=mem_size, dataset="cifar10", device=device, seed=0,
-                           autocast_dtype=autocast_dtype, compile=compile)
+                           autocast_dtype=autocast_dtype, latent_dtype=latent_dtype, compile=compile)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     learner.buffer.n_seen = 10 * mem_size  # a stream well past the memory size
     state = {"i": mem_size}
@@ -61,13 +63,14 @@ def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size:
 
 
 def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile: bool = False,
-            mem_size: int = 1000) -> dict:
+            mem_size: int = 1000, bf16_latent: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (mem_size + 2000, 3, 32, 32), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (mem_size + 2000,), generator=g)
     x20 = (images[:20].float() / 255).to(device)
     y20 = labels[:20].to(device)
     dtype = torch.bfloat16 if bf16 else None
+    latent = torch.bfloat16 if bf16_latent else None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     infer_learner = make_learner("er", num_classes=10, mem_size=0, device=device, autocast_dtype=dtype)
@@ -75,10 +78,10 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
     cases = {
         "default-step": (_bare_step(False, None, device, x20, y20), 20),
         "bare-step": (_bare_step(True, dtype, device, x20, y20, compile), 20),
-        "er": (_learner_step("er", device, images, labels, dtype, mem_size, compile), 10),
-        "aser": (_learner_step("aser", device, images, labels, dtype, mem_size, compile), 10),
-        "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size, compile), 10),
-        "mir": (_learner_step("mir", device, images, labels, dtype, mem_size, compile), 10),
+        "er": (_learner_step("er", device, images, labels, dtype, mem_size, compile, latent), 10),
+        "aser": (_learner_step("aser", device, images, labels, dtype, mem_size, compile, latent), 10),
+        "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size, compile, latent), 10),
+        "mir": (_learner_step("mir", device, images, labels, dtype, mem_size, compile, latent), 10),
         "inference-100": (lambda: infer_learner.logits(probe), 100),
     }
     times = {name: [] for name in cases}
@@ -114,19 +117,21 @@ def cmd_speed(args) -> int:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cases = measure(device, args.rounds, args.warmup, args.bf16, args.compile)
+    cases = measure(device, args.rounds, args.warmup, args.bf16, args.compile, bf16_latent=args.bf16_latent)
     result = {
         "device": str(device),
         "machine": machine_description(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "bf16": args.bf16,
+        "bf16_latent": args.bf16_latent,
         "compile": args.compile,
         "rounds": args.rounds,
         "cases": cases,
         "ratios": ratios(cases),
         "command": f"python -m clients.benchmark speed --device {args.device} --rounds {args.rounds}"
-                   f"{' --bf16' if args.bf16 else ''}{' --compile' if args.compile else ''}"
+                   f"{' --bf16' if args.bf16 else ''}{' --bf16-latent' if args.bf16_latent else ''}"
+                   f"{' --compile' if args.compile else ''}"
                    f"{f' --threads {args.threads}' if args.threads else ''}",
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -135,7 +140,8 @@ def cmd_speed(args) -> int:
         print(f"{name:<{width}}  {c['median_ms']:8.2f} ms  {c['samples_per_s']:9.1f} samples/s")
     for name, value in result["ratios"].items():
         print(f"{name}: {value}")
-    suffix = ("-bf16" if args.bf16 else "") + ("-compile" if args.compile else "")
+    suffix = ("-bf16" if args.bf16 else "") + ("-bf16-latent" if args.bf16_latent else "") + \
+        ("-compile" if args.compile else "")
     out = Path(args.out or f"results/speed-{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -149,6 +155,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the learner's steps")
+    p.add_argument("--bf16-latent", action="store_true",
+                   help="bf16 for the memory policies' feature passes only (training stays as --bf16 says)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (~30 s per model)")
     p.add_argument("--threads", type=int)
     p.add_argument("--out")

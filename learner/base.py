@@ -23,12 +23,16 @@ class ContinualLearner:
 
     def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
                  device: str | torch.device = "cpu", seed: int = 0, channels_last: bool = True,
-                 autocast_dtype: torch.dtype | None = None, compile: bool = False):
+                 autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
+                 compile: bool = False):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
         self.channels_last = channels_last
         self.autocast_dtype = autocast_dtype
+        # the memory policies' feature passes (S_sub, candidates) may run in reduced precision
+        # while training and predictions stay in autocast_dtype (fp32 by default)
+        self.latent_dtype = latent_dtype or autocast_dtype
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.model = ReducedResNet18(num_classes, input_size=self.image_shape[1])
@@ -82,11 +86,12 @@ class ContinualLearner:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
     @contextmanager
-    def _autocast(self):
-        if self.autocast_dtype is None:
+    def _autocast(self, dtype: torch.dtype | None = None):
+        dtype = dtype or self.autocast_dtype
+        if dtype is None:
             yield
         else:
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            with torch.autocast(self.device.type, dtype=dtype):
                 yield
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -107,7 +112,7 @@ class ContinualLearner:
 
     def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""
-        return self._eval_map(self.inference_features(), images, batch_size)
+        return self._eval_map(self.inference_features(), images, batch_size, self.latent_dtype)
 
     def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         features, head = self.inference_features(), self.model.head
@@ -123,11 +128,11 @@ class ContinualLearner:
     def predict(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         return self.logits(images, batch_size).argmax(1)
 
-    def _eval_map(self, fn, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def _eval_map(self, fn, images: torch.Tensor, batch_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode(), self._autocast():
+            with torch.inference_mode(), self._autocast(dtype):
                 outs = [fn(self.to_input(images[i:i + batch_size].to(self.device)))
                         for i in range(0, images.shape[0], batch_size)]
             return torch.cat(outs).float().clone() if outs else torch.zeros(0)

@@ -67,7 +67,8 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
                  per_class: int | None = None, **kwargs) -> ContinualLearner:
     """Build `method` for a stream with `num_classes` classes (the head's initial width).
 
-    kwargs go to the learner (lr, device, seed, image_shape, channels_last, autocast_dtype).
+    kwargs go to the learner (lr, device, seed, image_shape, channels_last, autocast_dtype,
+    latent_dtype, compile).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.

@@ -10,8 +10,10 @@ sample is in the persisted lineage exactly once.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ from learner.model import scale_pixels
 from .checkpoints import CheckpointStore
 from .metrics import Metrics
 from .settings import Settings
+from .snapshots import SnapshotStore
 from .store import IngestLog
 
 log = logging.getLogger("aser.worker")
@@ -68,6 +71,8 @@ class LearnerWorker:
                                     replay_batch=settings.replay_batch, lr=settings.lr, device=device,
                                     seed=settings.seed, image_shape=(3, settings.image_size, settings.image_size))
         self.checkpoints = CheckpointStore(log_store, settings.data_dir / "checkpoints")
+        self.snapshots = SnapshotStore(log_store, settings.data_dir / "snapshots", settings.method)
+        self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()
         self.trained_upto = self.checkpoints.restore(self.learner)  # the last sequence number the model has seen
         self.checkpointed_steps = self.learner.steps
         self.last_step_seconds = 0.0
@@ -87,6 +92,7 @@ class LearnerWorker:
         self._thread.join(timeout)
         if not self._thread.is_alive() and self.learner.steps != self.checkpointed_steps:
             self.checkpoint()
+        self.snapshots.close()
 
     @property
     def trained(self) -> int:
@@ -104,12 +110,32 @@ class LearnerWorker:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._serve_snapshot_requests()
                 if not self.train_available():
                     self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
                     self.wakeup.clear()
         except BaseException as exc:  # surfaced through /readyz and /status
             log.exception("learner worker stopped")
             self.error = exc
+
+    def request_snapshot(self) -> Future:
+        """Export the model as it is after the step in progress; the future gives the snapshot row."""
+        answer: Future = Future()
+        self._snapshot_requests.put(answer)
+        self.wakeup.set()
+        return answer
+
+    def _serve_snapshot_requests(self) -> None:
+        while not self._snapshot_requests.empty():
+            answer = self._snapshot_requests.get()
+            if not self.predictor.classes:
+                answer.set_exception(LookupError("the model has not learned any class yet"))
+                continue
+            self._snapshot("request").add_done_callback(lambda done, answer=answer: _relay(done, answer))
+
+    def _snapshot(self, reason: str) -> Future:
+        p = self.predictor  # the classes the published weights answer
+        return self.snapshots.submit(self.learner.model, list(p.classes), p.version, p.steps, self.trained, reason)
 
     def publish(self) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
@@ -134,4 +160,14 @@ class LearnerWorker:
         self.publish()
         if self.learner.steps - self.checkpointed_steps >= self.settings.checkpoint_every_steps:
             self.checkpoint()
+        every = self.settings.snapshot_every_steps
+        if every and self.learner.steps % every == 0:
+            self._snapshot("periodic")
         return True
+
+
+def _relay(done: Future, answer: Future) -> None:
+    if done.exception() is not None:
+        answer.set_exception(done.exception())
+    else:
+        answer.set_result(done.result())

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from clients.benchmark import main
 
 from .conftest import CIFAR10_ZIP
@@ -40,3 +42,25 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
 def test_missing_data_path_is_a_clear_error(tmp_path, capsys):
     code = main(["run", "--dataset", "cifar10", "--data", str(tmp_path / "nope"), "--method", "er", "--quiet"])
     assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_via_streams_through_a_real_service(tmp_path, cache_dir):
+    """--via: the stream goes over the WebSocket, evaluation through /predict; the record has
+    the in-process form and every sample was trained on once."""
+    from .test_service import Server
+
+    server = Server(tmp_path / "svc", method="er", mem_size=30, max_batch_wait_s=0.2).start()
+    try:
+        out = tmp_path / "via.json"
+        assert run(tmp_path, cache_dir, "er", out, "--via", server.url, "--seed", "3") == 0
+        r = json.loads(out.read_text())
+        assert r["via"] == server.url and r["method"] == "er" and r["mem_size"] == 30 and r["seed"] == 3
+        assert len(r["accuracy_matrix"]) == 5 and all(len(row) == 5 for row in r["accuracy_matrix"])
+        assert r["steps"] == 20 and r["settings"]["train_samples"] == 200
+        # a task's classes are unknown to the service before they arrive: 0% on them
+        assert all(r["accuracy_matrix"][i][j] == 0 for i in range(5) for j in range(i + 1, 5))
+        # the service is no longer fresh: a second run is refused
+        with pytest.raises(SystemExit, match="fresh service"):
+            run(tmp_path, cache_dir, "er", out, "--via", server.url)
+    finally:
+        server.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import signal
 import socket
@@ -285,3 +286,88 @@ def test_metrics_in_prometheus_format(server, jpegs):
     assert values['aser_requests_rejected_total{error="corrupt_image"}'] >= 1
     assert values["aser_train_step_seconds_count"] >= 1 and values["aser_predict_seconds_count"] >= 1
     assert values["aser_backlog_samples"] == 0 and values["aser_model_version"] >= 1
+
+
+def test_streaming_ingest_acknowledges_each_message(server, jpegs):
+    from clients.api import ServiceClient
+
+    with ServiceClient(server.url) as client:
+        before = client.status()["samples_received"]
+        samples = [(lab, img) for lab, img in jpegs[:6]] + [("frog", b"junk")] + [(lab, img) for lab, img in jpegs[-3:]]
+        acks = client.stream_samples(samples)
+        assert [a["message"] for a in acks] == list(range(1, 11))
+        assert [a.get("error") for a in acks] == [None] * 6 + ["corrupt_image"] + [None] * 3
+        seqs = [a["first_seq"] for a in acks if "error" not in a]
+        assert seqs == list(range(before + 1, before + 10)) and acks[6]["status"] == 422
+        assert client.status()["samples_received"] == before + 9
+
+        with client.websocket() as ws:
+            ack = ws.send(["airplane", "frog"], [jpegs[7][1], jpegs[-4][1]])
+            assert ack == {"message": 1, "accepted": 2, "first_seq": before + 10, "last_seq": before + 11}
+            bad = ws.send(["airplane"], [jpegs[7][1][:100]])
+            assert bad["error"] == "corrupt_image" and bad["status"] == 422
+            acks = list(ws.pipeline([(["frog"], [img]) for _, img in jpegs[-8:-4]], window=3))
+            assert [a["message"] for a in acks] == [3, 4, 5, 6] and acks[-1]["last_seq"] == before + 15
+        assert client.status()["samples_received"] == before + 15
+
+    # a malformed or oversized line is refused alone; the stream goes on
+    lines = b'{"label": "frog"}\n' + b"x" * (17 * 1024 * 1024) + b"\n" + \
+        (json.dumps({"label": "frog", "image": b64(jpegs[-1][1])}) + "\n").encode()
+    r = httpx.post(f"{server.url}/samples/stream", content=lines, headers={"content-type": "application/x-ndjson"},
+                   timeout=60)
+    acks = [json.loads(line) for line in r.text.splitlines()]
+    assert [a.get("error") for a in acks] == ["invalid_request", "body_too_large", None]
+    assert status(server)["samples_received"] == before + 16
+    r = httpx.post(f"{server.url}/samples/stream", content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+
+
+def test_onnx_snapshot_matches_the_service(server, jpegs):
+    """POST /snapshots, list, download; onnxruntime on the file answers as /predict does."""
+    import numpy as np
+
+    from clients.onnx_client import OnnxClassifier
+
+    st = wait_trained(server, status(server)["samples_received"])
+    r = httpx.post(f"{server.url}/snapshots", timeout=180)
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    assert snap["model_version"] == st["model_version"] and snap["classes"] == st["classes"]
+    assert snap["id"] in [s["id"] for s in httpx.get(f"{server.url}/snapshots").json()["snapshots"]]
+    r = httpx.get(f"{server.url}/snapshots/{snap['id']}")
+    assert r.status_code == 200 and r.headers["x-model-version"] == str(snap["model_version"])
+    assert httpx.get(f"{server.url}/snapshots/latest").content == r.content
+
+    clf = OnnxClassifier(r.content)
+    assert clf.labels == st["classes"] and clf.input_shape == (3, 32, 32) and clf.model_version == snap["model_version"]
+    assert "uint8" in clf.metadata["preprocessing"]
+    images = [img for _, img in jpegs[::4]]
+    answer = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in images], "k": 2}).json()
+    assert answer["model_version"] == snap["model_version"]
+    onnx_top = clf.predict([io.BytesIO(i) for i in images], k=2)
+    for ours, theirs in zip(onnx_top, answer["results"]):
+        assert [t["label"] for t in ours] == [t["label"] for t in theirs]
+        assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)
+
+    assert httpx.get(f"{server.url}/snapshots/abc").status_code == 422
+    assert httpx.get(f"{server.url}/snapshots/99999").json()["error"] == "not_found"
+
+
+def test_snapshot_needs_a_class_and_the_admin_token(tmp_path, jpegs):
+    s = Server(tmp_path, write_token="w", admin_token="a").start()
+    try:
+        admin = {"Authorization": "Bearer a"}
+        r = httpx.post(f"{s.url}/snapshots", headers=admin)
+        assert r.status_code == 409 and r.json()["error"] == "no_classes"
+        assert httpx.post(f"{s.url}/snapshots", headers={"Authorization": "Bearer w"}).status_code == 403
+        assert httpx.get(f"{s.url}/snapshots", headers=admin).json() == {"snapshots": []}
+        from websockets.exceptions import InvalidStatus
+
+        from clients.api import ServiceClient
+
+        with pytest.raises(InvalidStatus):
+            ServiceClient(s.url, token="wrong").websocket()
+        with ServiceClient(s.url, token="w").websocket() as ws:
+            assert ws.send(["airplane"], [jpegs[0][1]])["accepted"] == 1
+    finally:
+        s.stop()

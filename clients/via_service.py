@@ -1,0 +1,103 @@
+"""The benchmark stream through a running service: every mini-batch goes over the ingest
+WebSocket as one message (PNG images, the dataset's class names as labels), and each task is
+evaluated through POST /predict once the service has trained on everything it acknowledged.
+
+Used by `python -m clients.benchmark run --via URL`; the record has the in-process run's form,
+so the two compare directly (same stream order for the same seed; the service's learner has
+its own seed, ASER_SEED, and grows its head as classes arrive).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+
+import torch
+from PIL import Image
+
+from learner import average_accuracy, average_forgetting
+from learner.data import ImageDataset, task_batches, task_test_set
+
+from .api import ServiceClient
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    """uint8 [3, H, W] -> lossless PNG bytes."""
+    buf = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def wait_until_trained(client: ServiceClient, received: int, timeout: float = 7200) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = client.status()
+        if st.get("error"):
+            raise RuntimeError(f"the service's learner stopped: {st['error']}")
+        if st["samples_trained"] >= received:
+            return st
+        time.sleep(0.2)
+    raise TimeoutError(f"the service trained {client.status()['samples_trained']} of {received} samples")
+
+
+def evaluate_via(client: ServiceClient, data: ImageDataset, tasks: list[list[int]], chunk: int = 500) -> list[float]:
+    """Accuracy (percent) of /predict's top-1 label on each task's test set."""
+    accs = []
+    for classes in tasks:
+        x, y = task_test_set(data, classes)
+        correct = 0
+        for i in range(0, len(y), chunk):
+            answer = client.predict([png_bytes(img) for img in x[i:i + chunk]], k=1)
+            names = [r[0]["label"] for r in answer["results"]]
+            correct += sum(name == data.class_names[int(t)] for name, t in zip(names, y[i:i + chunk]))
+        accs.append(100.0 * correct / len(y) if len(y) else math.nan)
+    return accs
+
+
+def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
+    """Stream the class-incremental benchmark through the service at args.via; returns the record."""
+    client = ServiceClient(args.via, token=args.token, timeout=600)
+    st = client.status()
+    if st["method"] != args.method:
+        raise SystemExit(f"error: the service at {args.via} runs {st['method']!r}, not {args.method!r}")
+    if st["samples_received"]:
+        raise SystemExit(f"error: {args.via} has already received {st['samples_received']} samples; "
+                         "--via needs a fresh service (an empty data directory)")
+    tasks = data.tasks(args.tasks)
+    stream_gen = torch.Generator().manual_seed(seed)
+    matrix: list[list[float]] = []
+    received, train_seconds = 0, 0.0
+    with client.websocket() as ws:
+        for classes in tasks:
+            t0 = time.perf_counter()
+            batches = ((([data.class_names[int(c)] for c in y], [png_bytes(img) for img in x]))
+                       for x, y in task_batches(data, classes, args.batch_size, stream_gen))
+            for ack in ws.pipeline(batches, window=16):
+                if "error" in ack:
+                    raise RuntimeError(f"the service refused a batch: {ack}")
+                received += ack["accepted"]
+                bar.update(1)
+            wait_until_trained(client, received)
+            train_seconds += time.perf_counter() - t0
+            matrix.append(evaluate_via(client, data, tasks))
+            bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
+    st = client.status()
+    client.close()
+    forgetting = average_forgetting(matrix)
+    return {
+        "method": st["method"],
+        "dataset": args.dataset,
+        "mem_size": st["config"]["mem_size"],
+        "seed": seed,
+        "via": args.via,
+        "accuracy_matrix": matrix,
+        "average_accuracy": average_accuracy(matrix),
+        "average_forgetting": None if math.isnan(forgetting) else forgetting,
+        "train_seconds": round(train_seconds, 2),
+        "steps": st["steps"],
+        "settings": {**st["config"], "train_samples": int(data.train_y.numel()),
+                     "test_samples": int(data.test_y.numel()), "train_per_class": args.train_per_class,
+                     "test_per_class": args.test_per_class},
+        "device": st["device"],
+    }

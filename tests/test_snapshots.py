@@ -1,0 +1,34 @@
+"""ONNX export: onnxruntime on a snapshot gives the PyTorch model's logits on real images."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from clients.onnx_client import OnnxClassifier
+from learner import make_learner
+from learner.data import task_batches
+from service.snapshots import export_onnx
+
+
+def test_onnx_logits_match_pytorch_on_real_images(cifar10_slice, tmp_path):
+    data = cifar10_slice
+    learner = make_learner("er", num_classes=10, mem_size=200, seed=0)
+    for i, (x, y) in enumerate(task_batches(data, list(range(10)), 10, torch.Generator().manual_seed(0))):
+        learner.observe(x, y)
+        if i == 30:
+            break
+    classes = data.class_names
+    export_onnx(learner.model, classes, tmp_path / "m.onnx", {"model_version": learner.version})
+    clf = OnnxClassifier(tmp_path / "m.onnx")
+    assert clf.labels == classes and clf.input_shape == (3, 32, 32) and clf.model_version == learner.version
+
+    images = data.test_x[:200]
+    theirs = clf.logits(images.numpy())
+    ours = learner.logits(images).numpy()
+    diff = float(np.abs(theirs - ours).max())
+    print(f"max |onnxruntime - pytorch| logit difference on 200 CIFAR-10 test images: {diff:.2e}")
+    assert diff < 1e-3 and (theirs.argmax(1) == ours.argmax(1)).mean() > 0.99
+    # training went on after the export: the file is unaffected by later steps
+    learner.observe(*next(iter(task_batches(data, [0, 1], 10, torch.Generator().manual_seed(1)))))
+    assert np.array_equal(OnnxClassifier(tmp_path / "m.onnx").logits(images.numpy()), theirs)
