@@ -45,19 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # a stream's total size is unbounded; each of its messages is limited instead
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, exempt={"/samples/stream"})
 
-    @app.exception_handler(InputError)
-    async def input_error(request: Request, exc: InputError):
-        metrics.samples_rejected.labels(exc.code).inc()
-        return JSONResponse({"error": exc.code, "detail": exc.detail}, status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse({"error": "invalid_request", "detail": jsonable(exc.errors())}, status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse({"error": "http_error", "detail": exc.detail}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+    install_error_handlers(app, metrics)
 
     async def ingest(app, labels: list, blobs: list[bytes]) -> dict:
         """Validate, commit to the ingest log (durable on return), wake the learner."""
@@ -220,6 +208,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error is a JSON body {'error': code, 'detail': ...} with its 4xx status."""
+
+    @app.exception_handler(InputError)
+    async def input_error(request: Request, exc: InputError):
+        metrics.samples_rejected.labels(exc.code).inc()
+        return JSONResponse({"error": exc.code, "detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse({"error": "invalid_request", "detail": jsonable(exc.errors())}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": "http_error", "detail": exc.detail}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+
 def jsonable(errors) -> list:
     return [{k: (v if isinstance(v, (str, int, float, list, type(None))) else str(v)) for k, v in e.items()}
             for e in errors]
@@ -355,11 +361,15 @@ def predict(worker: LearnerWorker, images: torch.Tensor, k: int) -> dict:
     predictor = worker.predictor  # one consistent model for the whole request
     if not predictor.classes:
         raise InputError("no_classes", "the model has not learned any class yet", 409)
-    probs = predictor.probabilities(images)
+    return {"model_version": predictor.version, "steps": predictor.steps,
+            "results": top_k(predictor.probabilities(images), predictor.classes, k)}
+
+
+def top_k(probs: torch.Tensor, classes, k: int) -> list[list[dict]]:
+    """[n, classes] probabilities -> per image the k most likely labels with their probabilities."""
     top = torch.topk(probs, min(k, probs.shape[1]), dim=1)
-    results = [[{"label": predictor.classes[int(c)], "probability": round(float(p), 6)} for p, c in zip(ps, cs)]
-               for ps, cs in zip(top.values, top.indices)]
-    return {"model_version": predictor.version, "steps": predictor.steps, "results": results}
+    return [[{"label": classes[int(c)], "probability": round(float(p), 6)} for p, c in zip(ps, cs)]
+            for ps, cs in zip(top.values, top.indices)]
 
 
 class DuplexStream(StreamingResponse):

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     max_classes: int = Field(1000, ge=1)
     max_top_k: int = Field(20, ge=1)
 
+    # the inference replica (python -m service.replica): the learner it follows, and how often it looks
+    replica_source: str = "http://127.0.0.1:8000"
+    replica_source_token: SecretStr | None = None
+    replica_poll_s: float = Field(10.0, gt=0)
+    replica_threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0: its default)")
+
     # bearer tokens; when set, writes / reads / admin calls need them (admin works everywhere)
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None

@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, data_dir, **env):
+    def __init__(self, data_dir, module="service", ready_path="/readyz", **env):
+        self.module, self.ready_path = module, ready_path
         self.port = free_port()
         self.env = {**os.environ, "ASER_DATA_DIR": str(data_dir), "ASER_PORT": str(self.port),
                     "ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": str(ROOT),
@@ -35,14 +36,14 @@ class Server:
         self.proc = None
 
     def start(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "service"], env=self.env, cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, cwd=ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"service exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -371,3 +372,41 @@ def test_snapshot_needs_a_class_and_the_admin_token(tmp_path, jpegs):
             assert ws.send(["airplane"], [jpegs[0][1]])["accepted"] == 1
     finally:
         s.stop()
+
+
+def test_inference_replica_serves_the_latest_snapshot(tmp_path, jpegs):
+    learner = Server(tmp_path / "learner", snapshot_every_steps=0).start()
+    replica = Server(tmp_path / "replica", module="service.replica", ready_path="/healthz",
+                     replica_source=learner.url, replica_poll_s=0.3).start()
+    try:
+        assert httpx.get(f"{replica.url}/readyz").status_code == 503  # no snapshot yet
+        r = httpx.get(f"{replica.url}/predict", params={"image": b64(jpegs[0][1])})
+        assert r.status_code == 503 and r.json()["error"] == "no_snapshot"
+        httpx.post(f"{learner.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in jpegs]})
+        wait_trained(learner, len(jpegs))
+        first = httpx.post(f"{learner.url}/snapshots", timeout=180).json()
+        deadline = time.time() + 30
+        while httpx.get(f"{replica.url}/readyz").status_code != 200 and time.time() < deadline:
+            time.sleep(0.2)
+        probe = {"images": [b64(img) for _, img in jpegs[::5]], "k": 2}
+        theirs = httpx.post(f"{learner.url}/predict", json=probe).json()
+        ours = httpx.post(f"{replica.url}/predict", json=probe).json()
+        assert ours["snapshot_id"] == first["id"] and ours["model_version"] == theirs["model_version"]
+        for a, b in zip(ours["results"], theirs["results"]):
+            assert [t["label"] for t in a] == [t["label"] for t in b]
+            assert all(abs(x["probability"] - y["probability"]) < 1e-4 for x, y in zip(a, b))
+        bad = httpx.post(f"{replica.url}/predict", json={"images": [b64(b"junk")]})
+        assert bad.status_code == 422 and bad.json()["error"] == "corrupt_image"
+
+        # the learner trains on and exports again: the replica swaps to the newer snapshot
+        httpx.post(f"{learner.url}/samples", json={"samples": [{"label": "ship", "image": b64(jpegs[3][1])}] * 10})
+        wait_trained(learner, len(jpegs) + 10)
+        second = httpx.post(f"{learner.url}/snapshots", timeout=180).json()
+        deadline = time.time() + 30
+        while httpx.get(f"{replica.url}/status").json()["snapshot_id"] != second["id"] and time.time() < deadline:
+            time.sleep(0.2)
+        st = httpx.get(f"{replica.url}/status").json()
+        assert st["snapshot_id"] == second["id"] and "ship" in st["classes"]
+    finally:
+        replica.stop()
+        learner.stop()

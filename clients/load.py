@@ -1,0 +1,191 @@
+"""Load benchmark of the service on loopback: ingest rate against training rate, and predict
+latency while the learner trains.
+
+It starts a fresh service (its defaults: ASER_mu, M=1000, CPU) on a free loopback port with a
+temporary data directory, or uses --url. Then:
+1. ingest: `--ingest-clients` threads POST batches of real CIFAR-10 JPEGs for `--seconds`;
+   reports acknowledged samples/s and, over the same window, samples/s trained (the ingest
+   must outrun the learner: the backlog grows).
+2. predict under training: with the backlog keeping the learner busy, `--predict-clients`
+   threads send single-image GET /predict for `--seconds`; reports p50/p90/p99/max latency,
+   and the training steps taken meanwhile (proof that training ran).
+
+    python -m clients.load --data ../shared/datasets/cifar10-jpeg.zip --out results/load-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+
+from .api import ServiceClient
+
+
+def real_jpegs(path: Path, n: int) -> list[tuple[str, bytes]]:
+    """The first n training JPEGs of the zip, as (class name, bytes), classes interleaved."""
+    with zipfile.ZipFile(path) as z:
+        names = sorted(x for x in z.namelist() if x.endswith(".jpg") and "/train/" in x)
+        by_class: dict[str, list[str]] = {}
+        for x in names:
+            by_class.setdefault(x.split("/")[-2], []).append(x)
+        picked = [files[i] for i in range(n // len(by_class) + 1) for files in by_class.values() if i < len(files)][:n]
+        return [(x.split("/")[-2], z.read(x)) for x in picked]
+
+
+def start_service(data_dir: str, port: int, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "service"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "ASER_DATA_DIR": data_dir, "ASER_PORT": str(port), **env})
+    client = ServiceClient(f"http://127.0.0.1:{port}")
+    deadline = time.time() + 120
+    while not client.ready():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError("the service did not start")
+        time.sleep(0.3)
+    return proc
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def ingest_phase(url: str, samples: list[tuple[str, bytes]], clients: int, batch: int, seconds: float) -> dict:
+    status = ServiceClient(url).status
+    accepted, errors, lock = [0], [0], threading.Lock()
+    stop = time.time() + seconds
+
+    def worker(offset: int) -> None:
+        with ServiceClient(url) as client:
+            i = offset * batch
+            while time.time() < stop:
+                chunk = [samples[(i + j) % len(samples)] for j in range(batch)]
+                i += clients * batch
+                try:
+                    n = client.add_samples([c for c, _ in chunk], [b for _, b in chunk])["accepted"]
+                    with lock:
+                        accepted[0] += n
+                except Exception:
+                    with lock:
+                        errors[0] += 1
+
+    before, t0 = status(), time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed, after = time.perf_counter() - t0, status()
+    trained = after["samples_trained"] - before["samples_trained"]
+    return {"clients": clients, "batch": batch, "seconds": round(elapsed, 2), "accepted": accepted[0],
+            "errors": errors[0], "ingest_samples_per_s": round(accepted[0] / elapsed, 1),
+            "trained": trained, "train_samples_per_s": round(trained / elapsed, 1),
+            "backlog_after": after["backlog"]}
+
+
+def predict_phase(url: str, samples: list[tuple[str, bytes]], clients: int, seconds: float) -> dict:
+    status = ServiceClient(url).status
+    latencies: list[float] = []
+    errors, lock = [0], threading.Lock()
+    encoded = [base64.urlsafe_b64encode(img).decode().rstrip("=") for _, img in samples[:200]]
+    stop = time.time() + seconds
+
+    def worker(offset: int) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            i = offset
+            while time.time() < stop:
+                t0 = time.perf_counter()
+                r = http.get("/predict", params={"image": encoded[i % len(encoded)], "k": 3})
+                dt = time.perf_counter() - t0
+                i += clients
+                with lock:
+                    if r.status_code == 200:
+                        latencies.append(dt)
+                    else:
+                        errors[0] += 1
+
+    before = status()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = status()
+    ms = [1000 * x for x in latencies]
+    return {"clients": clients, "seconds": seconds, "requests": len(ms), "errors": errors[0],
+            "requests_per_s": round(len(ms) / seconds, 1),
+            "p50_ms": round(statistics.median(ms), 2), "p90_ms": round(percentile(ms, 90), 2),
+            "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2),
+            "training_steps_meanwhile": after["steps"] - before["steps"], "backlog_after": after["backlog"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="../shared/datasets/cifar10-jpeg.zip", help="a CIFAR-10 JPEG zip")
+    p.add_argument("--url", help="an already running, fresh service (default: start one)")
+    p.add_argument("--samples", type=int, default=2000, help="distinct real images to cycle through")
+    p.add_argument("--ingest-clients", type=int, default=4)
+    p.add_argument("--ingest-batch", type=int, default=10, help="samples per POST /samples")
+    p.add_argument("--predict-clients", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    p.add_argument("--out", default="results/load-cpu.json")
+    args = p.parse_args(argv)
+
+    samples = real_jpegs(Path(args.data), args.samples)
+    proc = tmp = None
+    url = args.url
+    try:
+        if url is None:
+            tmp = tempfile.TemporaryDirectory()
+            port = _free_port()
+            proc = start_service(tmp.name, port, {"ASER_SNAPSHOT_EVERY_STEPS": "0"})
+            url = f"http://127.0.0.1:{port}"
+        ingest = ingest_phase(url, samples, args.ingest_clients, args.ingest_batch, args.seconds)
+        print(json.dumps({"ingest": ingest}))
+        predict = predict_phase(url, samples, args.predict_clients, args.seconds)
+        print(json.dumps({"predict": predict}))
+        final = ServiceClient(url).status()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+        if tmp is not None:
+            tmp.cleanup()
+    from .benchmark import machine_description, resolve_device
+
+    result = {
+        "machine": machine_description(resolve_device("cpu")),
+        "service": {"method": final["method"], "device": final["device"], **final["config"]},
+        "ingest": ingest,
+        "predict_while_training": predict,
+        "ingest_over_training": round(ingest["ingest_samples_per_s"] / max(ingest["train_samples_per_s"], 1e-9), 1),
+        "command": "python -m clients.load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

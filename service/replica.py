@@ -1,0 +1,162 @@
+"""A stateless inference replica: answers /predict from the learner's latest ONNX snapshot.
+
+It keeps nothing on disk. Every ASER_REPLICA_POLL_S it asks the learner at
+ASER_REPLICA_SOURCE for its snapshot list; a newer snapshot is downloaded into memory, loaded
+with onnxruntime and swapped in whole, so a request is answered by one snapshot from start to
+end. Not ready (503) until the first snapshot is loaded. Same request and answer formats as
+the learner's /predict, plus the snapshot id that answered.
+
+    ASER_REPLICA_SOURCE=http://learner:8000 ASER_PORT=8001 python -m service.replica
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import torch
+import uvicorn
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from clients.onnx_client import OnnxClassifier
+
+from .app import BodyLimit, decode_many, install_error_handlers, read_images, top_k
+from .auth import require
+from .inputs import InputError, decode_base64
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger("aser.replica")
+
+
+@dataclass(frozen=True)
+class LoadedSnapshot:
+    id: int
+    classifier: OnnxClassifier
+    settings: Settings  # the image size follows the snapshot's input shape
+
+
+class SnapshotFollower:
+    """Keeps the newest snapshot of the learner loaded."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        token = settings.replica_source_token
+        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
+        self.http = httpx.Client(base_url=settings.replica_source.rstrip("/"), headers=headers, timeout=60)
+        self.current: LoadedSnapshot | None = None
+        self.last_error: str | None = None
+
+    def refresh(self) -> bool:
+        """Load the learner's latest snapshot if it is newer than ours; returns whether it swapped."""
+        try:
+            listing = self.http.get("/snapshots")
+            listing.raise_for_status()
+            snapshots = listing.json()["snapshots"]
+            if not snapshots or (self.current and snapshots[-1]["id"] <= self.current.id):
+                return False
+            latest = snapshots[-1]["id"]
+            body = self.http.get(f"/snapshots/{latest}")
+            body.raise_for_status()
+            clf = OnnxClassifier(body.content, threads=self.settings.replica_threads or None)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("snapshot refresh failed: %s", self.last_error)
+            return False
+        self.current = LoadedSnapshot(latest, clf, self.settings.model_copy(update={"image_size": clf.input_shape[1]}))
+        self.last_error = None
+        log.info("serving snapshot %d (model version %s)", latest, clf.model_version)
+        return True
+
+
+def create_replica_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    follower = SnapshotFollower(settings)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def follow():
+            while True:
+                await run_in_threadpool(follower.refresh)
+                await asyncio.sleep(settings.replica_poll_s)
+
+        task = asyncio.create_task(follow())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="ASER inference replica", lifespan=lifespan)
+    app.state.settings, app.state.follower, app.state.started = settings, follower, time.time()
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app, metrics)
+
+    def answer(blobs: list[bytes], k: int) -> dict:
+        snap = follower.current  # one snapshot for the whole request
+        if snap is None:
+            raise InputError("no_snapshot", "no snapshot loaded yet", 503)
+        pixels = decode_many(blobs, snap.settings).numpy()
+        probs = torch.from_numpy(snap.classifier.probabilities(pixels))
+        return {"snapshot_id": snap.id, "model_version": snap.classifier.model_version,
+                "results": top_k(probs, snap.classifier.labels, min(k, settings.max_top_k))}
+
+    @app.get("/predict", dependencies=[Depends(require("read"))])
+    async def get_predict(image: str = Query(...), k: int = Query(3, ge=1)):
+        with metrics.predict_latency.time():
+            result = await run_in_threadpool(answer, [decode_base64(image)], k)
+        return {"snapshot_id": result["snapshot_id"], "model_version": result["model_version"],
+                "top": result["results"][0]}
+
+    @app.post("/predict", dependencies=[Depends(require("read"))])
+    async def post_predict(request: Request, k: int = Query(3, ge=1)):
+        blobs, k_body = await read_images(request, settings)
+        with metrics.predict_latency.time():
+            return await run_in_threadpool(answer, blobs, k_body or k)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if follower.current is None:
+            return JSONResponse({"status": "not ready", "detail": follower.last_error or "no snapshot yet"},
+                                status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/status", dependencies=[Depends(require("read"))])
+    async def status():
+        snap = follower.current
+        return {"source": settings.replica_source, "snapshot_id": snap and snap.id,
+                "model_version": snap and snap.classifier.model_version,
+                "classes": snap.classifier.labels if snap else [], "last_error": follower.last_error,
+                "uptime_s": round(time.time() - app.state.started, 1)}
+
+    @app.get("/metrics", dependencies=[Depends(require("read"))])
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def main() -> int:
+    from .__main__ import refuse_public_without_token
+
+    settings = Settings()
+    if refuse_public_without_token(settings):
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_replica_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
