@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ def export_onnx(model: ReducedResNet18, classes: list[str], path: Path, metadata
     """Write `model` (eval mode, a copy: the caller's is not touched) as ONNX to `path`."""
     net = PixelsToLogits(copy.deepcopy(model).float().eval().to("cpu", memory_format=torch.contiguous_format),
                          len(classes)).eval()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # the exporter's registry chatter
     size = model.input_size
     example = torch.zeros(2, 3, size, size, dtype=torch.uint8)
     program = torch.onnx.export(net, (example,), dynamo=True, input_names=["pixels"], output_names=["logits"],
