@@ -86,12 +86,11 @@ class ContinualLearner:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
     @contextmanager
-    def _autocast(self, dtype: torch.dtype | None = None):
-        dtype = dtype or self.autocast_dtype
-        if dtype is None:
+    def _autocast(self):
+        if self.autocast_dtype is None:
             yield
         else:
-            with torch.autocast(self.device.type, dtype=dtype):
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 yield
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -112,27 +111,31 @@ class ContinualLearner:
 
     def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""
-        return self._eval_map(self.inference_features(), images, batch_size, self.latent_dtype)
+        return self._eval_map(self.inference_features(self.latent_dtype), images, batch_size)
 
     def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        features, head = self.inference_features(), self.model.head
+        features, head = self.inference_features(self.autocast_dtype), self.model.head
         return self._eval_map(lambda x: head(features(x)), images, batch_size)
 
-    def inference_features(self):
-        """Eval-mode f_ext with BatchNorm folded into the convolutions, built once per weights.
-        The folded tensors are new storage: later training steps do not change them."""
+    def inference_features(self, dtype: torch.dtype | None = None):
+        """Eval-mode f_ext with BatchNorm folded into the convolutions (in `dtype`, fp32 by
+        default), built once per weights. The folded tensors are new storage: later training
+        steps do not change them."""
         if self._folded is None or self._folded[0] != self.version:
-            self._folded = (self.version, fold_batchnorm(self.model))
-        return self._folded[1]
+            self._folded = (self.version, {})
+        cache = self._folded[1]
+        if dtype not in cache:
+            cache[dtype] = fold_batchnorm(self.model, dtype)
+        return cache[dtype]
 
     def predict(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         return self.logits(images, batch_size).argmax(1)
 
-    def _eval_map(self, fn, images: torch.Tensor, batch_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _eval_map(self, fn, images: torch.Tensor, batch_size: int) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode(), self._autocast(dtype):
+            with torch.inference_mode():
                 outs = [fn(self.to_input(images[i:i + batch_size].to(self.device)))
                         for i in range(0, images.shape[0], batch_size)]
             return torch.cat(outs).float().clone() if outs else torch.zeros(0)
