@@ -4,7 +4,7 @@ Cases, each timed step by step, interleaved round by round so that a slow moment
 machine hits every case alike (ratios are what count):
 - default-step: the bare model's forward+backward+SGD on 20 images with plain PyTorch
   defaults (NCHW, float32, autograd as is);
-- bare-step: the same step as the learner runs it (channels_last; bf16 with --bf16,
+- bare-step: the same step as the learner runs it (its memory format; bf16 with --bf16,
   torch.compile with --compile);
   (--bf16-latent runs only the memory policies' feature passes in bf16, training stays fp32)
 - er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
@@ -25,6 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from learner import make_learner
+from learner.base import training_channels_last
 from learner.model import ReducedResNet18
 
 
@@ -77,7 +78,7 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
     probe = images[:100]
     cases = {
         "default-step": (_bare_step(False, None, device, x20, y20), 20),
-        "bare-step": (_bare_step(True, dtype, device, x20, y20, compile), 20),
+        "bare-step": (_bare_step(training_channels_last(device, dtype), dtype, device, x20, y20, compile), 20),
         "er": (_learner_step("er", device, images, labels, dtype, mem_size, compile, latent), 10),
         "aser": (_learner_step("aser", device, images, labels, dtype, mem_size, compile, latent), 10),
         "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size, compile, latent), 10),

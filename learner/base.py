@@ -18,16 +18,24 @@ from .model import ReducedResNet18, fold_batchnorm, scale_pixels
 from .policy import StepContext
 
 
+def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
+    """The memory format that trains fastest: channels_last, except bf16 on CPU, where oneDNN's
+    BatchNorm backward is faster in NCHW (measured: 29.9 vs 37.2 ms per step of 20 images)."""
+    return not (device.type == "cpu" and autocast_dtype == torch.bfloat16)
+
+
 class ContinualLearner:
     name = "learner"
 
     def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
-                 device: str | torch.device = "cpu", seed: int = 0, channels_last: bool = True,
+                 device: str | torch.device = "cpu", seed: int = 0, channels_last: bool | None = None,
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
+        if channels_last is None:
+            channels_last = training_channels_last(self.device, autocast_dtype)
         self.channels_last = channels_last
         self.autocast_dtype = autocast_dtype
         # the memory policies' feature passes (S_sub, candidates) may run in reduced precision
