@@ -200,6 +200,22 @@ def load_results(folder: Path) -> list[dict]:
     return results
 
 
+def run_label(result: dict) -> str:
+    """The method, with the precision mode and the service path when they are not the defaults.
+
+    >>> run_label({"method": "aser-mu", "settings": {"bf16_latent": True}})
+    'aser-mu (bf16-latent)'
+    >>> run_label({"method": "er", "settings": {}, "via": "http://127.0.0.1:8000"})
+    'er (via service)'
+    """
+    settings = result.get("settings", {})
+    modes = [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
+             if settings.get(key)]
+    if result.get("via"):
+        modes.append("via service")
+    return result["method"] + (f" ({', '.join(modes)})" if modes else "")
+
+
 def _fmt(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -214,11 +230,13 @@ def cmd_table(args) -> int:
         return 2
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results:
-        groups[(r["dataset"], r["mem_size"] or 0, r["method"])].append(r)
+        groups[(r["dataset"], r["mem_size"] or 0, run_label(r))].append(r)
     order = {m: i for i, m in enumerate(METHODS)}
     lines = ["| dataset | M | method | seeds | A_T (%) | F_T (%) | train s / run | train set |",
              "|---|---|---|---|---|---|---|---|"]
-    for (dataset, mem, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99))):
+    for (dataset, mem, method), rs in sorted(groups.items(),
+                                             key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2].split()[0], 99),
+                                                             kv[0][2])):
         acc = [r["average_accuracy"] for r in rs]
         fgt = [r["average_forgetting"] for r in rs if r["average_forgetting"] is not None]
         secs = sum(r["train_seconds"] for r in rs) / len(rs)
