@@ -21,22 +21,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def refuse_public_without_token(settings: Settings) -> bool:
-    """True (and says why) when asked to listen beyond loopback with no token configured."""
+def serve(make_app) -> int:
+    """Run `make_app(settings)` with uvicorn; refuse a non-loopback bind without a token."""
+    settings = Settings()
     if not is_loopback(settings.host) and not settings.auth_enabled:
         print(f"refusing to listen on {settings.host} without an API token: set ASER_WRITE_TOKEN, "
               "ASER_READ_TOKEN or ASER_ADMIN_TOKEN, or bind to 127.0.0.1", file=sys.stderr)
-        return True
-    return False
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(make_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
 
 
 def main() -> int:
-    settings = Settings()
-    if refuse_public_without_token(settings):
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
-    return 0
+    return serve(create_app)
 
 
 if __name__ == "__main__":

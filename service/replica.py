@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import httpx
 import torch
-import uvicorn
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -148,14 +147,9 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
 
 
 def main() -> int:
-    from .__main__ import refuse_public_without_token
+    from .__main__ import serve
 
-    settings = Settings()
-    if refuse_public_without_token(settings):
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_replica_app(settings), host=settings.host, port=settings.port, log_level="info")
-    return 0
+    return serve(create_replica_app)
 
 
 if __name__ == "__main__":
