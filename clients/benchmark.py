@@ -64,9 +64,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
     if args.via:
         from .via_service import run_via
 
-        n_steps = sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(t)).sum()) / args.batch_size)
-                      for t in data.tasks(args.tasks))
-        bar = _progress(n_steps, f"{args.method} via {args.via} seed {seed}", progress)
+        bar = _progress(stream_steps(data, data.tasks(args.tasks), args.batch_size),
+                        f"{args.method} via {args.via} seed {seed}", progress)
         result = run_via(args, data, seed, bar)
         bar.close()
         return {**result, "machine": "the service's (see device)", "torch": torch.__version__,
@@ -87,7 +86,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
     if iid:
         n_steps = epochs * math.ceil(len(data.train_y) / args.batch_size)
     else:
-        n_steps = sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(t)).sum()) / args.batch_size) for t in tasks)
+        n_steps = stream_steps(data, tasks, args.batch_size)
     bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
     matrix: list[list[float]] = []
     train_seconds = 0.0
@@ -139,6 +138,11 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "command": _command(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int) -> int:
+    """Mini-batches in one pass over the class-incremental stream."""
+    return sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(t)).sum()) / batch_size) for t in tasks)
 
 
 def _command() -> str:
