@@ -69,7 +69,8 @@ class LearnerWorker:
         self.learner = make_learner(settings.method, num_classes=1, mem_size=settings.mem_size,
                                     k=settings.k, n_candidates=settings.n_candidates, per_class=settings.per_class,
                                     replay_batch=settings.replay_batch, lr=settings.lr, device=device,
-                                    seed=settings.seed, image_shape=(3, settings.image_size, settings.image_size))
+                                    seed=settings.seed, image_shape=(3, settings.image_size, settings.image_size),
+                                    latent_dtype=torch.bfloat16 if settings.latent_bf16 else None)
         self.checkpoints = CheckpointStore(log_store, settings.data_dir / "checkpoints")
         self.snapshots = SnapshotStore(log_store, settings.data_dir / "snapshots", settings.method)
         self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()

@@ -375,7 +375,8 @@ def test_snapshot_needs_a_class_and_the_admin_token(tmp_path, jpegs):
 
 
 def test_inference_replica_serves_the_latest_snapshot(tmp_path, jpegs):
-    learner = Server(tmp_path / "learner", snapshot_every_steps=0).start()
+    # the learner also runs its memory policies on bf16 features (a full memory of 20 engages them)
+    learner = Server(tmp_path / "learner", snapshot_every_steps=0, latent_bf16="true", mem_size=20).start()
     replica = Server(tmp_path / "replica", module="service.replica", ready_path="/healthz",
                      replica_source=learner.url, replica_poll_s=0.3).start()
     try:
@@ -383,7 +384,7 @@ def test_inference_replica_serves_the_latest_snapshot(tmp_path, jpegs):
         r = httpx.get(f"{replica.url}/predict", params={"image": b64(jpegs[0][1])})
         assert r.status_code == 503 and r.json()["error"] == "no_snapshot"
         httpx.post(f"{learner.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in jpegs]})
-        wait_trained(learner, len(jpegs))
+        assert wait_trained(learner, len(jpegs))["buffer_size"] == 20
         first = httpx.post(f"{learner.url}/snapshots", timeout=180).json()
         deadline = time.time() + 30
         while httpx.get(f"{replica.url}/readyz").status_code != 200 and time.time() < deadline:
