@@ -57,7 +57,7 @@ class ContinualLearner:
         self.steps = 0
         self.samples_seen = 0
         self.current_task_classes: torch.Tensor | None = None
-        self._folded = None  # (version, folded f_ext) for inference
+        self._folded = None  # (version, {dtype: folded f_ext}) for inference
 
     # --- the step ----------------------------------------------------------------------
     def observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:

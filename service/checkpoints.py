@@ -12,7 +12,6 @@ committed checkpoint and trains again on every acknowledged sample after `traine
 from __future__ import annotations
 
 import io
-import os
 import time
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import torch
 
 from learner.base import ContinualLearner
 
-from .store import IngestLog
+from .durable import write_durably
+from .store import IngestLog, images_from_blobs
 
 
 class CheckpointStore:
@@ -47,7 +47,9 @@ class CheckpointStore:
         if buffer is not None:
             state["buffer_meta"] = {k: v for k, v in buffer.items() if k not in ("images", "labels")}
         name = f"learner-{trained_upto:012d}-{time.time_ns()}.pt"
-        _write_atomically(self.directory / name, state)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        write_durably(self.directory / name, buf.getvalue())
         with self.lock:
             conn = self.db.conn
             conn.execute("BEGIN IMMEDIATE")
@@ -77,9 +79,7 @@ class CheckpointStore:
         meta = state.pop("buffer_meta", None)
         if meta is not None:
             rows = list(self.db.query("SELECT class_id, image FROM buffer ORDER BY slot"))
-            shape = tuple(meta["image_shape"])
-            images = torch.frombuffer(bytearray(b"".join(r["image"] for r in rows)), dtype=torch.uint8)
-            state["buffer"] = {**meta, "images": images.view(len(rows), *shape),
+            state["buffer"] = {**meta, "images": images_from_blobs([r["image"] for r in rows], meta["image_shape"]),
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)
         return row["trained_upto"]
@@ -89,19 +89,3 @@ class CheckpointStore:
         for f in self.directory.glob("learner-*.pt*"):
             if f.name != keep:
                 f.unlink(missing_ok=True)
-
-
-def _write_atomically(path: Path, state: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself is durable
-    finally:
-        os.close(dir_fd)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +21,7 @@ from torch import nn
 
 from learner.model import ReducedResNet18, scale_pixels
 
+from .durable import replace_durably
 from .store import IngestLog
 
 PREPROCESSING = ("RGB image resized to the input size, pixels as uint8 in NCHW order; the graph scales them "
@@ -30,26 +29,27 @@ PREPROCESSING = ("RGB image resized to the input size, pixels as uint8 in NCHW o
 
 
 class PixelsToLogits(nn.Module):
-    """uint8 [n, 3, H, W] -> logits over the first `num_classes` classes."""
+    """uint8 [n, 3, H, W] -> logits over the first `num_classes` classes, in eval mode, on a copy
+    of `model` taken now (later training steps do not reach it)."""
 
     def __init__(self, model: ReducedResNet18, num_classes: int):
         super().__init__()
-        self.features = model.features
-        self.head = nn.Linear(model.head.in_features, num_classes)
+        net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
+        head = nn.Linear(net.head.in_features, num_classes)
         with torch.no_grad():
-            self.head.weight.copy_(model.head.weight[:num_classes])
-            self.head.bias.copy_(model.head.bias[:num_classes])
+            head.weight.copy_(net.head.weight[:num_classes])
+            head.bias.copy_(net.head.bias[:num_classes])
+        net.head = head
+        self.net = net.eval()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(scale_pixels(pixels)))
+        return self.net(scale_pixels(pixels))
 
 
-def export_onnx(model: ReducedResNet18, classes: list[str], path: Path, metadata: dict) -> None:
-    """Write `model` (eval mode, a copy: the caller's is not touched) as ONNX to `path`."""
-    net = PixelsToLogits(copy.deepcopy(model).float().eval().to("cpu", memory_format=torch.contiguous_format),
-                         len(classes)).eval()
+def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: dict) -> None:
+    """Write `net` as ONNX to `path`, with `classes` (its outputs, in order) and `metadata`."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # the exporter's registry chatter
-    size = model.input_size
+    size = net.net.input_size
     example = torch.zeros(2, 3, size, size, dtype=torch.uint8)
     program = torch.onnx.export(net, (example,), dynamo=True, input_names=["pixels"], output_names=["logits"],
                                 dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), verbose=False)
@@ -60,9 +60,7 @@ def export_onnx(model: ReducedResNet18, classes: list[str], path: Path, metadata
     program.model.metadata_props.update(props)
     tmp = path.with_suffix(".onnx.tmp")
     program.save(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 class SnapshotStore:
@@ -82,20 +80,19 @@ class SnapshotStore:
                             "steps INTEGER NOT NULL, samples_trained INTEGER NOT NULL, classes TEXT NOT NULL, "
                             "size_bytes INTEGER NOT NULL, reason TEXT NOT NULL)")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx-export")
-        self._export_lock = threading.Lock()
 
     def submit(self, model: ReducedResNet18, classes: list[str], version: int, steps: int, samples: int,
                reason: str) -> Future:
-        """Queue an export of a copy of `model` taken now; the future gives the snapshot's row."""
-        frozen = copy.deepcopy(model)
-        return self._executor.submit(self._export, frozen, list(classes), version, steps, samples, reason)
+        """Queue an export of `model` as it is now; the future gives the snapshot's row."""
+        net = PixelsToLogits(model, len(classes))
+        return self._executor.submit(self._export, net, list(classes), version, steps, samples, reason)
 
-    def _export(self, model, classes, version, steps, samples, reason) -> dict:
+    def _export(self, net, classes, version, steps, samples, reason) -> dict:
         created = time.time()
         name = f"snapshot-{steps:09d}-v{version}-{time.time_ns()}.onnx"
         meta = {"model_version": version, "steps": steps, "samples_trained": samples, "method": self.method,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-        export_onnx(model, classes, self.directory / name, meta)
+        export_onnx(net, classes, self.directory / name, meta)
         size = (self.directory / name).stat().st_size
         with self.lock:  # autocommit: one INSERT is one transaction
             sid = self.db.execute("INSERT INTO snapshots (file, created, model_version, steps, samples_trained, "

@@ -82,9 +82,13 @@ class IngestLog:
                                   "ORDER BY seq LIMIT ?", [seq, limit]))
         if not rows:
             return [], torch.zeros((0, *self.image_shape), dtype=torch.uint8), torch.zeros(0, dtype=torch.long), []
-        images = torch.frombuffer(bytearray(b"".join(r["image"] for r in rows)), dtype=torch.uint8)
-        return ([r["seq"] for r in rows], images.view(len(rows), *self.image_shape),
+        return ([r["seq"] for r in rows], images_from_blobs([r["image"] for r in rows], self.image_shape),
                 torch.tensor([r["class_id"] for r in rows]), [r["received"] for r in rows])
 
     def count(self) -> int:
         return self.db["samples"].count
+
+
+def images_from_blobs(blobs: list[bytes], shape) -> torch.Tensor:
+    """Raw uint8 image bytes as stored in SQLite -> one tensor [n, *shape]."""
+    return torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(len(blobs), *shape)

@@ -52,8 +52,7 @@ class Predictor:
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            x = scale_pixels(images).contiguous(memory_format=torch.channels_last)
-            logits = torch.nn.functional.linear(self.features(x), self.head_weight, self.head_bias)
+            logits = torch.nn.functional.linear(self.features(scale_pixels(images)), self.head_weight, self.head_bias)
             return torch.softmax(logits, dim=1)
 
 

@@ -8,7 +8,7 @@ import torch
 from clients.onnx_client import OnnxClassifier
 from learner import make_learner
 from learner.data import task_batches
-from service.snapshots import export_onnx
+from service.snapshots import PixelsToLogits, export_onnx
 
 
 def test_onnx_logits_match_pytorch_on_real_images(cifar10_slice, tmp_path):
@@ -19,7 +19,8 @@ def test_onnx_logits_match_pytorch_on_real_images(cifar10_slice, tmp_path):
         if i == 30:
             break
     classes = data.class_names
-    export_onnx(learner.model, classes, tmp_path / "m.onnx", {"model_version": learner.version})
+    export_onnx(PixelsToLogits(learner.model, len(classes)), classes, tmp_path / "m.onnx",
+                {"model_version": learner.version})
     clf = OnnxClassifier(tmp_path / "m.onnx")
     assert clf.labels == classes and clf.input_shape == (3, 32, 32) and clf.model_version == learner.version
 
