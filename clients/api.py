@@ -1,8 +1,13 @@
 """Python client for the learner service (httpx).
 
+Every sample it sends carries an id (a random UUID unless you give one), and it retries on its
+own after a lost connection, a timeout or a 429/5xx answer, with growing pauses: the service
+stores a sample id once, so a retry never stores a sample twice. The streams resend whatever
+was not acknowledged.
+
 >>> client = ServiceClient("http://127.0.0.1:8000")          # doctest: +SKIP
 >>> client.add_samples(["cat", "dog"], [cat_png, dog_png])     # doctest: +SKIP
-{'accepted': 2, 'first_seq': 1, 'last_seq': 2}
+{'accepted': 2, 'stored': 2, 'duplicates': 0, 'first_seq': 1, 'last_seq': 2, 'seqs': [1, 2]}
 >>> client.predict([cat_png], k=1)                             # doctest: +SKIP
 {'model_version': 7, 'steps': 3, 'results': [[{'label': 'cat', 'probability': 0.91}]]}
 """
@@ -10,10 +15,16 @@
 from __future__ import annotations
 
 import base64
+import itertools
 import json
+import time
+import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 import httpx
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}
 
 
 class ServiceError(RuntimeError):
@@ -24,15 +35,34 @@ class ServiceError(RuntimeError):
         self.status, self.error, self.detail = status, error, detail
 
 
-def encode_sample(label: str, image: bytes) -> dict:
-    return {"label": label, "image": base64.b64encode(image).decode()}
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode_sample(label: str, image: bytes, sample_id: str | None = None) -> dict:
+    sample = {"label": label, "image": base64.b64encode(image).decode()}
+    if sample_id is not None:
+        sample["id"] = sample_id
+    return sample
+
+
+class Retry:
+    """Pauses between attempts: `backoff` seconds, doubling, at most `attempts` tries."""
+
+    def __init__(self, attempts: int = 6, backoff: float = 0.25, max_pause: float = 8.0):
+        self.attempts, self.backoff, self.max_pause = attempts, backoff, max_pause
+
+    def pauses(self) -> Iterator[float]:
+        for i in range(self.attempts - 1):
+            yield min(self.max_pause, self.backoff * 2 ** i)
 
 
 class ServiceClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0):
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0, retry: Retry | None = None):
         self.base_url, self.token = base_url.rstrip("/"), token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
+        self.retry = retry or Retry()
 
     def close(self) -> None:
         self.http.close()
@@ -43,7 +73,29 @@ class ServiceClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check(self, response: httpx.Response) -> dict:
+    def _send(self, method: str, path: str, retry: bool = True, **kwargs) -> httpx.Response:
+        """One request, retried after transport errors and 429/5xx answers when `retry`."""
+        pauses = self.retry.pauses() if retry else iter(())
+        while True:
+            try:
+                response = self.http.request(method, path, **kwargs)
+                if response.status_code not in RETRY_STATUSES:
+                    return response
+                failure: Exception | httpx.Response = response
+            except httpx.TransportError as exc:
+                failure = exc
+            pause = next(pauses, None)
+            if pause is None:
+                if isinstance(failure, httpx.Response):
+                    return failure
+                raise failure
+            time.sleep(pause)
+
+    def _json(self, method: str, path: str, **kwargs) -> dict:
+        return self._check(self._send(method, path, **kwargs))
+
+    @staticmethod
+    def _check(response: httpx.Response) -> dict:
         if response.status_code >= 400:
             try:
                 body = response.json()
@@ -52,60 +104,97 @@ class ServiceClient:
             raise ServiceError(response.status_code, body.get("error", "http_error"), body.get("detail"))
         return response.json()
 
-    def add_samples(self, labels: Sequence[str], images: Sequence[bytes]) -> dict:
-        """Send labelled encoded images (PNG/JPEG bytes); returns once they are durably logged."""
-        if len(labels) != len(images):
-            raise ValueError(f"{len(labels)} labels for {len(images)} images")
-        samples = [encode_sample(label, img) for label, img in zip(labels, images)]
-        return self._check(self.http.post("/samples", json={"samples": samples}))
+    # --- ingest ----------------------------------------------------------------------
+    def add_samples(self, labels: Sequence[str], images: Sequence[bytes], ids: Sequence[str] | None = None) -> dict:
+        """Send labelled encoded images (PNG/JPEG bytes); returns once they are durably logged.
+        Retried until acknowledged; `ids` (default: new UUIDs) make the retries safe."""
+        if len(labels) != len(images) or (ids is not None and len(ids) != len(images)):
+            raise ValueError(f"{len(labels)} labels and {len(ids or images)} ids for {len(images)} images")
+        ids = list(ids) if ids is not None else [new_id() for _ in images]
+        samples = [encode_sample(label, img, i) for label, img, i in zip(labels, images, ids)]
+        return self._json("POST", "/samples", json={"samples": samples})
 
-    def stream_samples(self, samples: Iterable[tuple[str, bytes]]) -> list[dict]:
-        """NDJSON over one chunked POST: one line per (label, image); returns one ack per line
-        (an ack with 'error' refused that line alone)."""
-        lines = (json.dumps(encode_sample(label, img)).encode() + b"\n" for label, img in samples)
-        response = self.http.post("/samples/stream", content=lines, headers={"content-type": "application/x-ndjson"})
-        if response.status_code >= 400:
-            self._check(response)
-        return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    def add_files(self, label: str | Sequence[str], images: Sequence[bytes], content_type: str = "image/png",
+                  ids: Sequence[str] | None = None) -> dict:
+        """The same as multipart: one label for all images, or one label per image."""
+        files = [("image", (f"{i}", img, content_type)) for i, img in enumerate(images)]
+        labels = [label] if isinstance(label, str) else list(label)
+        ids = list(ids) if ids is not None else [new_id() for _ in images]
+        return self._json("POST", "/samples", files=files, data={"label": labels, "id": ids})
+
+    def stream_samples(self, samples: Iterable[tuple], chunk: int = 500) -> list[dict]:
+        """NDJSON: one line per (label, image) or (label, image, id), sent in chunked POSTs of
+        `chunk` lines; returns one ack per sample, in order (an ack with 'error' refused that
+        sample alone). Lines left unacknowledged by a cut connection are sent again."""
+        acks: list[dict] = []
+        it = iter(samples)
+        while batch := list(itertools.islice(it, chunk)):
+            lines = [json.dumps(encode_sample(s[0], s[1], s[2] if len(s) > 2 else new_id())) + "\n" for s in batch]
+            acks.extend(self._stream_chunk(lines, first=len(acks) + 1))
+        return acks
+
+    def _stream_chunk(self, lines: list[str], first: int) -> list[dict]:
+        acks: list[dict] = []
+        pauses = self.retry.pauses()
+        while len(acks) < len(lines):
+            before = len(acks)
+            try:
+                with self.http.stream("POST", "/samples/stream", content="".join(lines[before:]).encode(),
+                                      headers={"content-type": "application/x-ndjson"}) as response:
+                    if 400 <= response.status_code and response.status_code not in RETRY_STATUSES:
+                        response.read()
+                        self._check(response)
+                    if response.status_code < 400:
+                        for line in filter(str.strip, response.iter_lines()):
+                            ack = json.loads(line)
+                            if ack.get("status") in RETRY_STATUSES:
+                                break  # not stored: resend from this line on
+                            acks.append({**ack, "message": first + len(acks)})
+            except httpx.TransportError:
+                pass
+            if len(acks) > before:
+                pauses = self.retry.pauses()
+                continue
+            pause = next(pauses, None)
+            if pause is None:
+                raise ServiceError(503, "stream_failed", f"{len(lines) - len(acks)} lines left unacknowledged")
+            time.sleep(pause)
+        return acks
 
     def websocket(self) -> "SampleSocket":
-        """A long-lived WebSocket for ingest: `send(labels, images)` returns each message's ack."""
-        return SampleSocket(self.base_url, self.headers)
+        """A long-lived WebSocket for ingest: `send(labels, images)` returns each message's ack;
+        `pipeline` keeps several messages in flight and resends them after a reconnect."""
+        return SampleSocket(self.base_url, self.headers, self.retry)
 
+    # --- snapshots, predictions, status ------------------------------------------------
     def create_snapshot(self) -> dict:
         """Export the current model to ONNX now (admin); returns the snapshot record."""
-        return self._check(self.http.post("/snapshots", timeout=180))
+        return self._check(self._send("POST", "/snapshots", retry=False, timeout=180))
 
     def snapshots(self) -> list[dict]:
-        return self._check(self.http.get("/snapshots"))["snapshots"]
+        return self._json("GET", "/snapshots")["snapshots"]
 
     def download_snapshot(self, snapshot: int | str = "latest") -> bytes:
         """The .onnx bytes of a snapshot id, or of the latest one."""
-        response = self.http.get(f"/snapshots/{snapshot}")
+        response = self._send("GET", f"/snapshots/{snapshot}")
         if response.status_code >= 400:
             self._check(response)
         return response.content
 
-    def add_files(self, label: str | Sequence[str], images: Sequence[bytes], content_type: str = "image/png") -> dict:
-        """The same as multipart: one label for all images, or one label per image."""
-        files = [("image", (f"{i}", img, content_type)) for i, img in enumerate(images)]
-        labels = [label] if isinstance(label, str) else list(label)
-        return self._check(self.http.post("/samples", files=files, data={"label": labels}))
-
     def predict(self, images: Sequence[bytes], k: int = 3) -> dict:
         payload = {"images": [base64.b64encode(img).decode() for img in images], "k": k}
-        return self._check(self.http.post("/predict", json=payload))
+        return self._json("POST", "/predict", json=payload)
 
     def predict_one(self, image: bytes, k: int = 3) -> dict:
         """GET /predict with the image as a base64url query parameter (small images)."""
         encoded = base64.urlsafe_b64encode(image).decode().rstrip("=")
-        return self._check(self.http.get("/predict", params={"image": encoded, "k": k}))
+        return self._json("GET", "/predict", params={"image": encoded, "k": k})
 
     def status(self) -> dict:
-        return self._check(self.http.get("/status"))
+        return self._json("GET", "/status")
 
     def metrics(self) -> str:
-        response = self.http.get("/metrics")
+        response = self._send("GET", "/metrics")
         if response.status_code >= 400:
             self._check(response)
         return response.text
@@ -124,31 +213,74 @@ class ServiceClient:
 
 
 class SampleSocket:
-    """Ingest over one WebSocket (`/samples/ws`); each message is acknowledged after its commit."""
+    """Ingest over one WebSocket (`/samples/ws`); each message is acknowledged after its commit.
+    Every sample carries an id, so messages resent after a reconnect are stored once."""
 
-    def __init__(self, base_url: str, headers: dict):
+    def __init__(self, base_url: str, headers: dict, retry: Retry | None = None):
+        self.url = "ws" + base_url[len("http"):] + "/samples/ws"
+        self.headers, self.retry = headers, retry or Retry()
+        self.sent = 0  # messages acknowledged through this object, for the acks' numbering
+        self.ws = self._connect()
+
+    def _connect(self):
         from websockets.sync.client import connect
 
-        url = "ws" + base_url[len("http"):] + "/samples/ws"
-        self.ws = connect(url, additional_headers=headers, max_size=2**24).__enter__()  # closed by close()
+        return connect(self.url, additional_headers=self.headers, max_size=2**24).__enter__()  # closed by close()
 
-    def send(self, labels: Sequence[str], images: Sequence[bytes]) -> dict:
+    @staticmethod
+    def message(labels: Sequence[str], images: Sequence[bytes], ids: Sequence[str] | None = None) -> str:
+        ids = ids if ids is not None else [new_id() for _ in images]
+        return json.dumps({"samples": [encode_sample(a, b, i) for a, b, i in zip(labels, images, ids, strict=True)]})
+
+    def send(self, labels: Sequence[str], images: Sequence[bytes], ids: Sequence[str] | None = None) -> dict:
         """Send one message (one or many samples) and wait for its ack."""
-        samples = [encode_sample(label, img) for label, img in zip(labels, images, strict=True)]
-        self.ws.send(json.dumps({"samples": samples}))
-        return json.loads(self.ws.recv())
+        return next(self.pipeline([(labels, images, ids)], window=1))
 
-    def pipeline(self, batches: Iterable[tuple[Sequence[str], Sequence[bytes]]], window: int = 8) -> Iterator[dict]:
-        """Send batches with up to `window` unacknowledged messages in flight; yields the acks in order."""
-        in_flight = 0
-        for labels, images in batches:
-            self.ws.send(json.dumps({"samples": [encode_sample(a, b) for a, b in zip(labels, images, strict=True)]}))
-            in_flight += 1
-            if in_flight >= window:
-                yield json.loads(self.ws.recv())
-                in_flight -= 1
-        for _ in range(in_flight):
-            yield json.loads(self.ws.recv())
+    def pipeline(self, batches: Iterable[tuple], window: int = 8) -> Iterator[dict]:
+        """Send batches (labels, images[, ids]) with up to `window` unacknowledged messages in
+        flight; yields the acks in order. After a lost connection it reconnects and resends
+        the messages in flight."""
+        from websockets.exceptions import ConnectionClosed
+
+        in_flight: deque[str] = deque()
+        batches = iter(batches)
+        exhausted = False
+        pauses = self.retry.pauses()
+        while in_flight or not exhausted:
+            try:
+                while not exhausted and len(in_flight) < window:
+                    batch = next(batches, None)
+                    if batch is None:
+                        exhausted = True
+                        break
+                    in_flight.append(self.message(*batch))
+                    self.ws.send(in_flight[-1])
+                if in_flight:
+                    ack = json.loads(self.ws.recv())
+                    if ack.get("status") in RETRY_STATUSES:
+                        raise ConnectionError(f"message not stored: {ack.get('detail')}")  # resend what is in flight
+                    in_flight.popleft()
+                    self.sent += 1
+                    pauses = self.retry.pauses()
+                    yield {**ack, "message": self.sent}
+            except (ConnectionClosed, OSError):
+                pause = next(pauses, None)
+                if pause is None:
+                    raise
+                time.sleep(pause)
+                self._reconnect(in_flight)
+
+    def _reconnect(self, in_flight: deque[str]) -> None:
+        try:
+            self.ws.close()
+        except Exception:
+            pass
+        try:
+            self.ws = self._connect()
+            for message in in_flight:
+                self.ws.send(message)
+        except OSError:
+            pass  # the next send or receive fails again, and the pipeline pauses longer
 
     def close(self) -> None:
         self.ws.close()

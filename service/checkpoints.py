@@ -19,26 +19,29 @@ import torch
 
 from learner.base import ContinualLearner
 
+from .db import Database
 from .durable import write_durably
-from .store import IngestLog, images_from_blobs
+from .store import images_from_blobs
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,
+    trained_upto INTEGER NOT NULL, steps INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS buffer (slot INTEGER PRIMARY KEY, class_id INTEGER NOT NULL, image BLOB NOT NULL);
+"""
 
 
 class CheckpointStore:
-    def __init__(self, log_store: IngestLog, directory: Path):
-        self.db = log_store.db
-        self.lock = log_store._lock
+    def __init__(self, db: Database, directory: Path):
+        self.db = db
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        with self.db.conn:
-            self.db.execute("CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                            "file TEXT NOT NULL, trained_upto INTEGER NOT NULL, steps INTEGER NOT NULL, "
-                            "created REAL NOT NULL)")
-            self.db.execute("CREATE TABLE IF NOT EXISTS buffer (slot INTEGER PRIMARY KEY, class_id INTEGER NOT NULL, "
-                            "image BLOB NOT NULL)")
+        with db.schema() as schema:
+            schema.executescript(SCHEMA)
 
     def latest(self) -> dict | None:
-        rows = list(self.db.query("SELECT * FROM checkpoints ORDER BY id DESC LIMIT 1"))
-        return rows[0] if rows else None
+        with self.db.read() as conn:
+            row = conn.execute("SELECT * FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
+        return dict(row) if row else None
 
     def save(self, learner: ContinualLearner, trained_upto: int) -> int:
         """Persist the lineage; returns the checkpoint id once committed."""
@@ -50,10 +53,8 @@ class CheckpointStore:
         buf = io.BytesIO()
         torch.save(state, buf)
         write_durably(self.directory / name, buf.getvalue())
-        with self.lock:
-            conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+        try:
+            with self.db.write() as conn:
                 if buffer is not None:
                     conn.execute("DELETE FROM buffer")
                     images, labels = buffer["images"].numpy(), buffer["labels"].tolist()
@@ -61,11 +62,9 @@ class CheckpointStore:
                                      [(i, labels[i], images[i].tobytes()) for i in range(len(labels))])
                 cid = conn.execute("INSERT INTO checkpoints (file, trained_upto, steps, created) VALUES (?, ?, ?, ?)",
                                    (name, trained_upto, learner.steps, time.time())).lastrowid
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                (self.directory / name).unlink(missing_ok=True)
-                raise
+        except BaseException:
+            (self.directory / name).unlink(missing_ok=True)
+            raise
         self._remove_files_except(name)
         return cid
 
@@ -78,7 +77,8 @@ class CheckpointStore:
         state = torch.load(self.directory / row["file"], weights_only=True, map_location=learner.device)
         meta = state.pop("buffer_meta", None)
         if meta is not None:
-            rows = list(self.db.query("SELECT class_id, image FROM buffer ORDER BY slot"))
+            with self.db.read() as conn:
+                rows = conn.execute("SELECT class_id, image FROM buffer ORDER BY slot").fetchall()
             state["buffer"] = {**meta, "images": images_from_blobs([r["image"] for r in rows], meta["image_shape"]),
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)

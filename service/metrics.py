@@ -7,18 +7,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 class Metrics:
     def __init__(self):
-        self.registry = CollectorRegistry()
-        self.samples_received = Counter("aser_samples_received", "Samples acknowledged (committed to the ingest log)",
-                                        registry=self.registry)
-        self.samples_rejected = Counter("aser_requests_rejected", "Requests refused with a 4xx", ["error"],
-                                        registry=self.registry)
-        self.samples_trained = Counter("aser_samples_trained", "Samples the learner has trained on",
-                                       registry=self.registry)
+        r = self.registry = CollectorRegistry()
+        self.samples_received = Counter("aser_samples_received", "Samples newly stored in the ingest log",
+                                        registry=r)
+        self.requests_rejected = Counter("aser_requests_rejected", "Requests or messages refused with a 4xx",
+                                         ["error"], registry=r)
+        self.samples_trained = Counter("aser_samples_trained", "Samples the learner has trained on", registry=r)
         self.train_step = Histogram("aser_train_step_seconds", "Duration of one learner step",
-                                    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2), registry=self.registry)
+                                    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2), registry=r)
         self.predict_latency = Histogram("aser_predict_seconds", "Latency of predictions (decode + model)",
-                                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
-                                         registry=self.registry)
-        self.backlog = Gauge("aser_backlog_samples", "Acknowledged samples not yet trained on", registry=self.registry)
-        self.model_version = Gauge("aser_model_version", "Version of the weights predictions use",
-                                   registry=self.registry)
+                                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=r)
+        self.worker_restarts = Counter("aser_worker_restarts", "Restarts of the learner from the last checkpoint "
+                                       "after a failed step", registry=r)
+        self.checkpoint_failures = Counter("aser_checkpoint_failures", "Checkpoints that could not be written",
+                                           registry=r)
+        self.backlog = Gauge("aser_backlog_samples", "Acknowledged samples not yet trained on", registry=r)
+        self.model_version = Gauge("aser_model_version", "Version of the weights predictions use", registry=r)
+        self.quarantined = Gauge("aser_samples_quarantined", "Samples set aside because training on them fails",
+                                 registry=r)
+        self.snapshot_failures = Gauge("aser_snapshot_failures", "Snapshot exports that failed", registry=r)
+        self.worker_up = Gauge("aser_worker_up", "1 while the learner worker runs", registry=r)
+
+    def observe_status(self, status: dict) -> None:
+        """Set the gauges from a /status answer (read at scrape time)."""
+        self.backlog.set(status["backlog"])
+        self.model_version.set(status["model_version"])
+        self.quarantined.set(status["worker"]["quarantined"])
+        self.snapshot_failures.set(status["worker"]["snapshot_failures"])
+        self.worker_up.set(1 if status["worker"]["alive"] else 0)

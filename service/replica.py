@@ -20,16 +20,19 @@ from dataclasses import dataclass
 
 import httpx
 import torch
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from clients.onnx_client import OnnxClassifier
 
-from .app import BodyLimit, decode_many, install_error_handlers, read_images, top_k
-from .auth import require
-from .inputs import InputError, decode_base64
+from .errors import NoSnapshotYet
+from .inputs import decode_base64
 from .metrics import Metrics
+from .routers.auth import require
+from .routers.bodies import BodyModels
+from .routers.errors import BodyLimit, install_error_handlers
+from .routers.predict import IMAGE_QUERY, K_QUERY, decode_many, predict_request_images, top_k
 from .settings import Settings
 
 log = logging.getLogger("aser.replica")
@@ -95,26 +98,27 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.follower, app.state.started = settings, follower, time.time()
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app, metrics)
+    models = BodyModels(settings)
 
     def answer(blobs: list[bytes], k: int) -> dict:
         snap = follower.current  # one snapshot for the whole request
         if snap is None:
-            raise InputError("no_snapshot", "no snapshot loaded yet", 503)
+            raise NoSnapshotYet("no snapshot loaded yet")
         pixels = decode_many(blobs, snap.settings).numpy()
         probs = torch.from_numpy(snap.classifier.probabilities(pixels))
         return {"snapshot_id": snap.id, "model_version": snap.classifier.model_version,
                 "results": top_k(probs, snap.classifier.labels, min(k, settings.max_top_k))}
 
-    @app.get("/predict", dependencies=[Depends(require("read"))])
-    async def get_predict(image: str = Query(...), k: int = Query(3, ge=1)):
+    @app.get("/predict", dependencies=[require(settings, "read")])
+    async def get_predict(image: str = IMAGE_QUERY, k: int = K_QUERY):
         with metrics.predict_latency.time():
             result = await run_in_threadpool(answer, [decode_base64(image)], k)
         return {"snapshot_id": result["snapshot_id"], "model_version": result["model_version"],
                 "top": result["results"][0]}
 
-    @app.post("/predict", dependencies=[Depends(require("read"))])
-    async def post_predict(request: Request, k: int = Query(3, ge=1)):
-        blobs, k_body = await read_images(request, settings)
+    @app.post("/predict", dependencies=[require(settings, "read")])
+    async def post_predict(request: Request, k: int = K_QUERY):
+        blobs, k_body = await predict_request_images(request, models)
         with metrics.predict_latency.time():
             return await run_in_threadpool(answer, blobs, k_body or k)
 
@@ -129,7 +133,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                                 status_code=503)
         return {"status": "ready"}
 
-    @app.get("/status", dependencies=[Depends(require("read"))])
+    @app.get("/status", dependencies=[require(settings, "read")])
     async def status():
         snap = follower.current
         return {"source": settings.replica_source, "snapshot_id": snap and snap.id,
@@ -137,7 +141,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                 "classes": snap.classifier.labels if snap else [], "last_error": follower.last_error,
                 "uptime_s": round(time.time() - app.state.started, 1)}
 
-    @app.get("/metrics", dependencies=[Depends(require("read"))])
+    @app.get("/metrics", dependencies=[require(settings, "read")])
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

@@ -36,8 +36,10 @@ class Settings(BaseSettings):
     seed: int = 0
     max_batch_wait_s: float = Field(2.0, ge=0, description="train a partial batch once its oldest sample waited this long")
     checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
-    snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps (0: only on request)")
+    snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps and whenever "
+                                      "the model has learned a new class (0: only on request)")
     snapshot_timeout_s: float = Field(120.0, gt=0)
+    snapshot_keep: int = Field(20, ge=1, description="keep the newest N snapshots; older files and rows are removed")
 
     # input limits
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)

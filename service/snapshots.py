@@ -5,6 +5,12 @@ is inside the graph), with the head cut to the classes it has learned. Its metad
 the class labels in output order, the input shape and the preprocessing, so
 `clients.onnx_client` predicts from the file alone. Files are written under a temporary name,
 fsynced and renamed, then recorded in the `snapshots` table; a crash leaves no half file listed.
+
+The export runs in a separate, long-lived process (spawned, so it shares no interpreter state
+with the learner): the torch.onnx exporter traces with torch.fx and dynamo, whose global
+state a training step in the same process would race. The learner thread only copies the
+weights between two steps; one exporter thread here feeds that process one job at a time,
+kills and replaces it if it hangs or dies, and records each finished file.
 """
 
 from __future__ import annotations
@@ -12,8 +18,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import multiprocessing
+import signal
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,8 +31,11 @@ from torch import nn
 
 from learner.model import ReducedResNet18, scale_pixels
 
+from .db import Database
 from .durable import replace_durably
-from .store import IngestLog
+from .errors import NotFound, SnapshotFailed
+
+log = logging.getLogger("aser.snapshots")
 
 PREPROCESSING = ("RGB image resized to the input size, pixels as uint8 in NCHW order; the graph scales them "
                  "to [0, 1] itself. Outputs are logits; softmax gives class probabilities.")
@@ -40,7 +53,8 @@ class PixelsToLogits(nn.Module):
             head.weight.copy_(net.head.weight[:num_classes])
             head.bias.copy_(net.head.bias[:num_classes])
         net.head = head
-        self.net = net.eval()
+        self.net = net
+        self.eval()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.net(scale_pixels(pixels))
@@ -63,62 +77,184 @@ def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: d
     replace_durably(tmp, path)
 
 
-class SnapshotStore:
-    """Exports in a background thread; lists and finds snapshots through the SQLite table."""
+@dataclass(frozen=True)
+class ExportJob:
+    """What the export process needs: a copy of the weights taken between two steps."""
 
-    def __init__(self, log_store: IngestLog, directory: Path, method: str):
-        self.db = log_store.db
-        self.lock = log_store._lock
+    weights: dict[str, torch.Tensor]
+    input_size: int
+    classes: list[str]
+    path: Path
+    metadata: dict
+
+
+def run_export(job: ExportJob) -> int:
+    """Build the network from the weights, export it to job.path; returns the file's size."""
+    model = ReducedResNet18(job.weights["head.weight"].shape[0], input_size=job.input_size)
+    model.load_state_dict(job.weights)
+    export_onnx(PixelsToLogits(model, len(job.classes)), job.classes, job.path, job.metadata)
+    return job.path.stat().st_size
+
+
+def _serve_exports(conn) -> None:
+    """The export process: one job at a time until the parent closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    torch.set_num_threads(1)  # leave the cores to training
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, run_export(job) if job is not None else 0))  # None: warm up the imports
+        except Exception as exc:  # reported to the parent, which fails that snapshot only
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
+class ExportProcess:
+    """A spawned child that runs exports; replaced after a timeout or a crash."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_exports, args=(child,), name="onnx-export", daemon=True)
+        self._proc.start()
+        child.close()
+
+    def run(self, job: ExportJob | None, timeout: float) -> int:
+        try:
+            self._conn.send(job)
+            if not self._conn.poll(timeout):
+                raise SnapshotFailed(f"the export took longer than {timeout:.0f} s and was stopped")
+            ok, value = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise SnapshotFailed(f"the export process died ({type(exc).__name__})") from exc
+        if not ok:
+            raise SnapshotFailed(f"the export failed: {value}")
+        return value
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def stop(self) -> None:
+        self._conn.close()
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,
+    created REAL NOT NULL, model_version INTEGER NOT NULL, steps INTEGER NOT NULL,
+    samples_trained INTEGER NOT NULL, classes TEXT NOT NULL, size_bytes INTEGER NOT NULL, reason TEXT NOT NULL);
+"""
+
+
+class SnapshotStore:
+    """Exports through the export process; lists and finds snapshots through the SQLite table."""
+
+    def __init__(self, db: Database, directory: Path, method: str, timeout_s: float = 120.0, keep: int = 20):
+        self.db = db
         self.directory = directory
         self.method = method
+        self.timeout_s = timeout_s
+        self.keep = keep
         directory.mkdir(parents=True, exist_ok=True)
         for orphan in directory.glob("*.onnx.tmp"):
             orphan.unlink()
-        with self.db.conn:
-            self.db.execute("CREATE TABLE IF NOT EXISTS snapshots (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                            "file TEXT NOT NULL, created REAL NOT NULL, model_version INTEGER NOT NULL, "
-                            "steps INTEGER NOT NULL, samples_trained INTEGER NOT NULL, classes TEXT NOT NULL, "
-                            "size_bytes INTEGER NOT NULL, reason TEXT NOT NULL)")
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx-export")
+        with db.schema() as schema:
+            schema.executescript(SCHEMA)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx-export")
+        self._process: ExportProcess | None = None
+        self._count_lock = threading.Lock()
+        self.in_flight = 0  # exports queued or running
+        self.failures = 0
+        try:
+            self.latest_classes: tuple[str, ...] | None = tuple(self.latest()["classes"])
+        except NotFound:
+            self.latest_classes = None
+        self._thread.submit(self._run, None)  # start the process and its imports now, not at the first export
 
     def submit(self, model: ReducedResNet18, classes: list[str], version: int, steps: int, samples: int,
                reason: str) -> Future:
-        """Queue an export of `model` as it is now; the future gives the snapshot's row."""
-        net = PixelsToLogits(model, len(classes))
-        return self._executor.submit(self._export, net, list(classes), version, steps, samples, reason)
-
-    def _export(self, net, classes, version, steps, samples, reason) -> dict:
+        """Queue an export of `model` as it is now (the weights are copied here, between steps);
+        the future gives the snapshot's row, or raises SnapshotFailed."""
+        weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         created = time.time()
         name = f"snapshot-{steps:09d}-v{version}-{time.time_ns()}.onnx"
         meta = {"model_version": version, "steps": steps, "samples_trained": samples, "method": self.method,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-        export_onnx(net, classes, self.directory / name, meta)
-        size = (self.directory / name).stat().st_size
-        with self.lock:  # autocommit: one INSERT is one transaction
-            sid = self.db.execute("INSERT INTO snapshots (file, created, model_version, steps, samples_trained, "
-                                  "classes, size_bytes, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                                  [name, created, version, steps, samples, json.dumps(classes), size, reason]).lastrowid
-        return self.get(sid)
+        job = ExportJob(weights, model.input_size, list(classes), self.directory / name, meta)
+        self._count(in_flight=1)
+        return self._thread.submit(self._export, job, created, reason)
+
+    def _run(self, job: ExportJob | None) -> int:
+        if self._process is None or not self._process.alive:
+            self._process = ExportProcess()
+        try:
+            return self._process.run(job, self.timeout_s)
+        except SnapshotFailed:
+            self._process.stop()
+            self._process = None
+            raise
+
+    def _export(self, job: ExportJob, created: float, reason: str) -> dict:
+        try:
+            size = self._run(job)
+            with self.db.write() as conn:
+                sid = conn.execute("INSERT INTO snapshots (file, created, model_version, steps, samples_trained, "
+                                   "classes, size_bytes, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                   (job.path.name, created, job.metadata["model_version"], job.metadata["steps"],
+                                    job.metadata["samples_trained"], json.dumps(job.classes), size, reason)).lastrowid
+                old = conn.execute("SELECT id, file FROM snapshots WHERE id <= ?", (sid - self.keep,)).fetchall()
+                conn.execute("DELETE FROM snapshots WHERE id <= ?", (sid - self.keep,))
+            for row in old:  # after the commit: a crash before it leaves every listed file in place
+                (self.directory / row["file"]).unlink(missing_ok=True)
+            self.latest_classes = tuple(job.classes)
+            return self.get(sid)
+        except BaseException:
+            self._count(failures=1)
+            job.path.unlink(missing_ok=True)
+            log.exception("snapshot export failed")
+            raise
+        finally:
+            self._count(in_flight=-1)
+
+    def _count(self, in_flight: int = 0, failures: int = 0) -> None:
+        with self._count_lock:
+            self.in_flight += in_flight
+            self.failures += failures
 
     def list(self) -> list[dict]:
-        return [self._public(r) for r in self.db.query("SELECT * FROM snapshots ORDER BY id")]
+        with self.db.read() as conn:
+            return [self._public(r) for r in conn.execute("SELECT * FROM snapshots ORDER BY id")]
 
-    def get(self, snapshot_id: int) -> dict | None:
-        rows = list(self.db.query("SELECT * FROM snapshots WHERE id = ?", [snapshot_id]))
-        return self._public(rows[0]) if rows else None
+    def get(self, snapshot_id: int) -> dict:
+        with self.db.read() as conn:
+            row = conn.execute("SELECT * FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no snapshot {snapshot_id}")
+        return self._public(row)
 
-    def latest(self) -> dict | None:
-        rows = list(self.db.query("SELECT * FROM snapshots ORDER BY id DESC LIMIT 1"))
-        return self._public(rows[0]) if rows else None
+    def latest(self) -> dict:
+        with self.db.read() as conn:
+            row = conn.execute("SELECT * FROM snapshots ORDER BY id DESC LIMIT 1").fetchone()
+        if row is None:
+            raise NotFound("no snapshot yet")
+        return self._public(row)
 
     def path(self, row: dict) -> Path:
         return self.directory / row["file"]
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        if self._process is not None:
+            self._process.stop()
 
     @staticmethod
-    def _public(row: dict) -> dict:
+    def _public(row) -> dict:
         return {"id": row["id"], "file": row["file"], "created": row["created"], "model_version": row["model_version"],
                 "steps": row["steps"], "samples_trained": row["samples_trained"],
                 "classes": json.loads(row["classes"]), "size_bytes": row["size_bytes"], "reason": row["reason"]}

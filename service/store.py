@@ -1,94 +1,165 @@
-"""The ingest log: every acknowledged sample, durably, in arrival order (SQLite through
-sqlite-utils, WAL journal, synchronous commits).
+"""The ingest log: every acknowledged sample, durably, in arrival order.
 
 A sample's sequence number is its stream position. Class ids are given to labels in the order
 they are first seen, in the same transaction as the sample, so the mapping is as durable as
-the samples themselves.
+the samples themselves. A sample may carry a client-chosen id: a repeated id is not stored
+again, it is answered with the sequence number it got the first time (exactly-once ingest
+across client retries), provided it comes with the same label and the same pixels.
 """
 
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
-import sqlite_utils
 import torch
+
+from .db import Database
+from .errors import SampleIdConflict, TooManyClasses
+
+
+@dataclass(frozen=True)
+class NewSample:
+    label: str
+    pixels: bytes  # raw uint8 [3, H, W], as decoded and validated
+    sample_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Stored:
+    seq: int
+    duplicate: bool  # the id was already stored: nothing was written
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    seq: int
+    class_id: int
+    image: bytes
+    received: float
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS classes (id INTEGER PRIMARY KEY, name TEXT NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS idx_classes_name ON classes (name);
+CREATE TABLE IF NOT EXISTS samples (seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    class_id INTEGER NOT NULL REFERENCES classes(id), image BLOB NOT NULL, received REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine (seq INTEGER PRIMARY KEY, error TEXT NOT NULL, at REAL NOT NULL);
+"""
 
 
 class IngestLog:
-    def __init__(self, path: Path, image_shape: tuple[int, int, int]):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.image_shape = image_shape
-        self._lock = threading.Lock()  # one writer at a time; readers use their own connections
-        self.db = self._connect()
-        with self.db.conn:
-            if "classes" not in self.db.table_names():
-                self.db["classes"].create({"id": int, "name": str}, pk="id")
-                self.db["classes"].create_index(["name"], unique=True)
-            if "samples" not in self.db.table_names():
-                self.db.execute("CREATE TABLE samples (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                                "class_id INTEGER NOT NULL REFERENCES classes(id), image BLOB NOT NULL, "
-                                "received REAL NOT NULL)")
-        self._class_ids = {r["name"]: r["id"] for r in self.db["classes"].rows}
+    def __init__(self, db: Database, image_shape: tuple[int, int, int]):
+        self.db = db
+        self.image_shape = tuple(image_shape)
+        with db.schema() as schema:
+            schema.executescript(SCHEMA)
+            if "sample_id" not in schema["samples"].columns_dict:  # databases of earlier versions
+                schema["samples"].add_column("sample_id", str)
+            schema["samples"].create_index(["sample_id"], unique=True, if_not_exists=True)
 
-    def _connect(self) -> sqlite_utils.Database:
-        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
-        conn.execute("PRAGMA busy_timeout=5000")
-        return sqlite_utils.Database(conn)
-
-    def reader(self) -> "IngestLog":
-        """A view with its own connection, for another thread."""
-        view = object.__new__(IngestLog)
-        view.path, view.image_shape, view._lock = self.path, self.image_shape, threading.Lock()
-        view.db, view._class_ids = view._connect(), {}
-        return view
-
-    def append(self, labels: list[str], images: torch.Tensor, max_classes: int) -> list[int]:
-        """Commit samples (all or none); returns their sequence numbers once durable."""
-        from .inputs import InputError
-
-        raw = images.contiguous().numpy()
+    def append(self, samples: list[NewSample], max_classes: int) -> list[Stored]:
+        """Commit samples (all or none); returns each one's sequence number once durable."""
         now = time.time()
-        with self._lock:
-            new = list(dict.fromkeys(n for n in labels if n not in self._class_ids))
-            if len(self._class_ids) + len(new) > max_classes:
-                raise InputError("too_many_classes", f"this service holds at most {max_classes} classes", 409)
-            conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                ids = dict(self._class_ids)
-                for name in new:
-                    ids[name] = conn.execute("INSERT INTO classes (id, name) VALUES (?, ?)", (len(ids), name)).lastrowid
-                seqs = [conn.execute("INSERT INTO samples (class_id, image, received) VALUES (?, ?, ?)",
-                                     (ids[name], raw[i].tobytes(), now)).lastrowid for i, name in enumerate(labels)]
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            self._class_ids = ids
-        return seqs
+        with self.db.write() as conn:
+            stored: list[Stored | None] = [None] * len(samples)
+            first = list(range(len(samples)))  # index of the first sample with the same id
+            by_id: dict[str, int] = {}
+            for i, s in enumerate(samples):
+                if s.sample_id is None:
+                    continue
+                first[i] = by_id.setdefault(s.sample_id, i)
+                if first[i] != i:
+                    _same_or_conflict(samples[first[i]], s)
+                else:
+                    stored[i] = _already_stored(conn, s)
+            new = [s for i, s in enumerate(samples) if stored[i] is None and first[i] == i]
+            class_ids = _class_ids(conn, list(dict.fromkeys(s.label for s in new)), max_classes)
+            for i, s in enumerate(samples):
+                if first[i] != i:  # the same id earlier in this request
+                    stored[i] = Stored(stored[first[i]].seq, duplicate=True)
+                elif stored[i] is None:
+                    seq = conn.execute("INSERT INTO samples (class_id, image, received, sample_id) "
+                                       "VALUES (?, ?, ?, ?)", (class_ids[s.label], s.pixels, now, s.sample_id)).lastrowid
+                    stored[i] = Stored(seq, duplicate=False)
+        return stored
 
     def classes(self) -> list[str]:
-        return [r["name"] for r in self.db.query("SELECT name FROM classes ORDER BY id")]
+        with self.db.read() as conn:
+            return [r["name"] for r in conn.execute("SELECT name FROM classes ORDER BY id")]
 
-    def after(self, seq: int, limit: int) -> tuple[list[int], torch.Tensor, torch.Tensor, list[float]]:
-        """Up to `limit` samples with sequence number > seq, in order: (seqs, images, class ids, received)."""
-        rows = list(self.db.query("SELECT seq, class_id, image, received FROM samples WHERE seq > ? "
-                                  "ORDER BY seq LIMIT ?", [seq, limit]))
-        if not rows:
-            return [], torch.zeros((0, *self.image_shape), dtype=torch.uint8), torch.zeros(0, dtype=torch.long), []
-        return ([r["seq"] for r in rows], images_from_blobs([r["image"] for r in rows], self.image_shape),
-                torch.tensor([r["class_id"] for r in rows]), [r["received"] for r in rows])
+    def after(self, seq: int, limit: int) -> list[LogEntry]:
+        """Up to `limit` samples with sequence number > seq, in order, without quarantined ones."""
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT seq, class_id, image, received FROM samples WHERE seq > ? AND seq NOT IN "
+                                "(SELECT seq FROM quarantine) ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
+        return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in rows]
 
-    def count(self) -> int:
-        return self.db["samples"].count
+    def received(self) -> int:
+        """Samples acknowledged since the log began: the last sequence number given."""
+        with self.db.read() as conn:
+            row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'samples'").fetchone()
+        return row["seq"] if row else 0
+
+    def pending(self, trained_upto: int) -> int:
+        """Samples after `trained_upto` still to train on (the backlog)."""
+        with self.db.read() as conn:
+            return conn.execute("SELECT COUNT(*) FROM samples WHERE seq > ? AND seq NOT IN "
+                                "(SELECT seq FROM quarantine)", (trained_upto,)).fetchone()[0]
+
+    def quarantine(self, seq: int, error: str) -> None:
+        """Set a sample aside for good: training on it fails every time."""
+        with self.db.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO quarantine (seq, error, at) VALUES (?, ?, ?)", (seq, error, time.time()))
+
+    def quarantined(self, limit: int = 20) -> tuple[int, list[dict]]:
+        """How many samples are quarantined, and the latest `limit` of them."""
+        with self.db.read() as conn:
+            n = conn.execute("SELECT COUNT(*) FROM quarantine").fetchone()[0]
+            rows = conn.execute("SELECT seq, error, at FROM quarantine ORDER BY seq DESC LIMIT ?", (limit,))
+            return n, [dict(r) for r in rows]
+
+
+def _already_stored(conn: sqlite3.Connection, s: NewSample) -> Stored | None:
+    row = conn.execute("SELECT s.seq, c.name, s.image FROM samples s JOIN classes c ON c.id = s.class_id "
+                       "WHERE s.sample_id = ?", (s.sample_id,)).fetchone()
+    if row is None:
+        return None
+    _same_or_conflict(NewSample(row["name"], row["image"], s.sample_id), s)
+    return Stored(row["seq"], duplicate=True)
+
+
+def _same_or_conflict(first: NewSample, again: NewSample) -> None:
+    if first.label != again.label or first.pixels != again.pixels:
+        raise SampleIdConflict(f"sample id {again.sample_id!r} was already sent with another "
+                               f"{'label' if first.label != again.label else 'image'}")
+
+
+def _class_ids(conn: sqlite3.Connection, labels: list[str], max_classes: int) -> dict[str, int]:
+    """The class id of each label, creating the ones never seen in the order given."""
+    ids = {}
+    for name in labels:
+        row = conn.execute("SELECT id FROM classes WHERE name = ?", (name,)).fetchone()
+        if row is not None:
+            ids[name] = row["id"]
+    new = [n for n in labels if n not in ids]
+    if new:
+        count, next_id = conn.execute("SELECT COUNT(*), COALESCE(MAX(id), -1) + 1 FROM classes").fetchone()
+        if count + len(new) > max_classes:
+            raise TooManyClasses(f"this service holds at most {max_classes} classes")
+        for offset, name in enumerate(new):
+            conn.execute("INSERT INTO classes (id, name) VALUES (?, ?)", (next_id + offset, name))
+            ids[name] = next_id + offset
+    return ids
 
 
 def images_from_blobs(blobs: list[bytes], shape) -> torch.Tensor:
     """Raw uint8 image bytes as stored in SQLite -> one tensor [n, *shape]."""
+    size = 1
+    for d in shape:
+        size *= d
+    for i, b in enumerate(blobs):
+        if len(b) != size:
+            raise ValueError(f"stored image {i} has {len(b)} bytes, expected {size} for shape {tuple(shape)}")
     return torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(len(blobs), *shape)

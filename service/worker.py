@@ -5,6 +5,13 @@ step (predictions never wait for training and never see a half-updated model).
 It starts from the last committed checkpoint and trains on every acknowledged sample after
 that checkpoint's `trained_upto`; work after the last checkpoint is simply redone, so every
 sample is in the persisted lineage exactly once.
+
+It is supervised: a step that raises leaves the learner half-updated, so that learner is
+dropped, nothing of it is persisted, and training restarts from the last committed
+checkpoint (with a growing pause if failures repeat). A sample whose batch keeps failing is
+tried alone on a scratch copy of the learner; if it fails alone it is quarantined (recorded,
+skipped from then on, reported), so one bad sample cannot stop learning. A checkpoint or a
+snapshot that fails is logged and counted; training goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -23,17 +31,22 @@ from learner.base import ContinualLearner
 from learner.model import scale_pixels
 
 from .checkpoints import CheckpointStore
+from .db import Database
+from .errors import NoClassesYet
 from .metrics import Metrics
 from .settings import Settings
 from .snapshots import SnapshotStore
-from .store import IngestLog
+from .store import IngestLog, LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
+
+SUSPECT_AFTER = 2  # failed steps a sample took part in before it is tried alone
+SET_ASIDE_AFTER = 3  # ... before its batch is quarantined even though each sample passes alone
 
 
 @dataclass(frozen=True)
 class Predictor:
-    """An immutable inference model: folded f_ext, head weights, class names, version."""
+    """An immutable inference model and the progress it stands for."""
 
     features: object
     head_weight: torch.Tensor
@@ -41,14 +54,16 @@ class Predictor:
     classes: tuple[str, ...]
     version: int
     steps: int
+    samples_trained: int
+    trained_upto: int
 
     @classmethod
-    def from_learner(cls, learner: ContinualLearner, classes: list[str]) -> "Predictor":
+    def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int) -> "Predictor":
         head = learner.model.head
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), head.out_features)
         return cls(learner.inference_features(), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
-                   tuple(classes[:n]), learner.version, learner.steps)
+                   tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto)
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -56,68 +71,181 @@ class Predictor:
             return torch.softmax(logits, dim=1)
 
 
+def resolve_device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
 class LearnerWorker:
-    def __init__(self, settings: Settings, log_store: IngestLog, metrics: Metrics | None = None):
+    def __init__(self, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None):
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.store = log_store.reader()
-        device = settings.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = device
-        self.learner = make_learner(settings.method, num_classes=1, mem_size=settings.mem_size,
-                                    k=settings.k, n_candidates=settings.n_candidates, per_class=settings.per_class,
-                                    replay_batch=settings.replay_batch, lr=settings.lr, device=device,
-                                    seed=settings.seed, image_shape=(3, settings.image_size, settings.image_size),
-                                    latent_dtype=torch.bfloat16 if settings.latent_bf16 else None)
-        self.checkpoints = CheckpointStore(log_store, settings.data_dir / "checkpoints")
-        self.snapshots = SnapshotStore(log_store, settings.data_dir / "snapshots", settings.method)
+        self.store = store
+        self.device = resolve_device(settings.device)
+        self.image_shape = (3, settings.image_size, settings.image_size)
+        self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
+                                       settings.snapshot_timeout_s, settings.snapshot_keep)
         self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.trained_upto = self.checkpoints.restore(self.learner)  # the last sequence number the model has seen
-        self.checkpointed_steps = self.learner.steps
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.checkpoint_failures = 0
+        self._failures: Counter[int] = Counter()  # seq -> failed steps it took part in
+        self._in_step: list[int] = []
         self.last_step_seconds = 0.0
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
-        self.publish()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # set only if the thread itself ends abnormally
+        self._load()
 
+    # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the step in progress, then checkpoint (a clean shutdown redoes nothing)."""
+        """Finish the step in progress, then checkpoint (a clean shutdown redoes nothing); a
+        learner left half-updated by a failed step is never checkpointed."""
         self._stop.set()
         self.wakeup.set()
         self._thread.join(timeout)
-        if not self._thread.is_alive() and self.learner.steps != self.checkpointed_steps:
+        if not self._thread.is_alive() and self.consistent and self.learner.steps != self.checkpointed_steps:
             self.checkpoint()
         self.snapshots.close()
-
-    @property
-    def trained(self) -> int:
-        """Samples in the model's lineage (trained on, since the first one)."""
-        return self.learner.samples_seen
-
-    def checkpoint(self) -> None:
-        self.checkpoints.save(self.learner, self.trained_upto)
-        self.checkpointed_steps = self.learner.steps
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def _build_learner(self) -> ContinualLearner:
+        s = self.settings
+        return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
+                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, device=self.device,
+                            seed=s.seed, image_shape=self.image_shape,
+                            latent_dtype=torch.bfloat16 if s.latent_bf16 else None)
+
+    def _load(self) -> None:
+        """(Re)start from the last committed checkpoint."""
+        learner = self._build_learner()
+        self.trained_upto = self.checkpoints.restore(learner)  # the last sequence number the model has seen
+        self.learner = learner
+        self.checkpointed_steps = self._last_checkpoint_try = self._last_snapshot = learner.steps
+        self.consistent = True
+        self.publish()
+
     def _run(self) -> None:
+        failures_in_a_row = 0
         try:
             while not self._stop.is_set():
-                self._serve_snapshot_requests()
-                if not self.train_available():
-                    self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
-                    self.wakeup.clear()
-        except BaseException as exc:  # surfaced through /readyz and /status
+                try:
+                    self._serve_snapshot_requests()
+                    if self.train_available():
+                        failures_in_a_row = 0
+                    else:
+                        self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
+                        self.wakeup.clear()
+                except Exception as exc:
+                    failures_in_a_row += 1
+                    self._recover(exc, failures_in_a_row)
+        except BaseException as exc:  # the thread itself ends: surfaced through /readyz and /status
             log.exception("learner worker stopped")
             self.error = exc
 
+    def _recover(self, exc: Exception, failures_in_a_row: int) -> None:
+        """Drop the half-updated learner and restart from the last committed checkpoint."""
+        log.error("learner step failed (samples %s); restarting from the last checkpoint",
+                  f"{self._in_step[0]}..{self._in_step[-1]}" if self._in_step else "none", exc_info=exc)
+        self.consistent = False
+        self._failures.update(self._in_step)
+        self._in_step = []
+        self.restarts += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.metrics.worker_restarts.inc()
+        pause = min(30.0, 0.1 * 2 ** (failures_in_a_row - 1))  # a failure that is not a sample's must not spin
+        while not self._stop.wait(pause):
+            try:
+                self._load()
+                return
+            except Exception:
+                log.exception("restoring the last checkpoint failed; trying again")
+                pause = min(30.0, pause * 2)
+
+    # --- training ----------------------------------------------------------------------
+    def train_available(self) -> bool:
+        """Train on the next mini-batch if one is due; returns whether anything was done."""
+        b = self.settings.batch_size
+        entries = self.store.after(self.trained_upto, b)
+        if not entries:
+            return False
+        if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
+            return False  # wait for a full batch a little longer
+        entries = self._set_aside_poison(entries)
+        if entries:
+            self._step(entries)
+        return True
+
+    def _step(self, entries: list[LogEntry]) -> None:
+        self._in_step = [e.seq for e in entries]
+        self.consistent = False
+        t0 = time.perf_counter()
+        images = images_from_blobs([e.image for e in entries], self.image_shape)
+        self.learner.observe(images, torch.tensor([e.class_id for e in entries]))
+        self.last_step_seconds = time.perf_counter() - t0
+        self.trained_upto = entries[-1].seq
+        self.consistent = True
+        self._in_step = []
+        for e in entries:
+            self._failures.pop(e.seq, None)
+        self.metrics.train_step.observe(self.last_step_seconds)
+        self.metrics.samples_trained.inc(len(entries))
+        self.publish()
+        if self.learner.steps - self._last_checkpoint_try >= self.settings.checkpoint_every_steps:
+            self.checkpoint()
+        self._maybe_snapshot()
+
+    def _set_aside_poison(self, entries: list[LogEntry]) -> list[LogEntry]:
+        """Quarantine the samples of this batch that make training fail every time."""
+        worst = max(self._failures.get(e.seq, 0) for e in entries)
+        if worst < SUSPECT_AFTER:
+            return entries
+        errors = {e.seq: err for e in entries if (err := self._fails_alone(e)) is not None}
+        if not errors and worst >= SET_ASIDE_AFTER:
+            errors = {e.seq: f"its batch failed {worst} times" for e in entries}
+        for seq, error in errors.items():
+            log.error("quarantining sample %d: %s", seq, error)
+            self.store.quarantine(seq, error)
+            self._failures.pop(seq, None)
+        return [e for e in entries if e.seq not in errors]
+
+    def _fails_alone(self, entry: LogEntry) -> str | None:
+        """Train a scratch copy of the learner on this one sample; the error, if it fails."""
+        scratch = self._build_learner()
+        scratch.load_state_dict(self.learner.state_dict())
+        try:
+            scratch.observe(images_from_blobs([entry.image], self.image_shape), torch.tensor([entry.class_id]))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def publish(self) -> None:
+        """What readers see of the learner, replaced whole (atomic swaps) between steps."""
+        self.predictor = Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto)
+        buffer = getattr(self.learner, "buffer", None)
+        self.buffer_counts: dict[int, int] = buffer.class_counts() if buffer is not None else {}
+
+    def checkpoint(self) -> bool:
+        """Persist the lineage; a failure (disk full, say) is logged and retried later."""
+        try:
+            self.checkpoints.save(self.learner, self.trained_upto)
+        except Exception:
+            log.exception("checkpoint failed; training goes on, the previous checkpoint stays in force")
+            self.checkpoint_failures += 1
+            self.metrics.checkpoint_failures.inc()
+            self._last_checkpoint_try = self.learner.steps
+            return False
+        self.checkpointed_steps = self._last_checkpoint_try = self.learner.steps
+        return True
+
+    # --- snapshots ---------------------------------------------------------------------
     def request_snapshot(self) -> Future:
         """Export the model as it is after the step in progress; the future gives the snapshot row."""
         answer: Future = Future()
@@ -129,41 +257,25 @@ class LearnerWorker:
         while not self._snapshot_requests.empty():
             answer = self._snapshot_requests.get()
             if not self.predictor.classes:
-                answer.set_exception(LookupError("the model has not learned any class yet"))
+                answer.set_exception(NoClassesYet("the model has not learned any class yet"))
                 continue
             self._snapshot("request").add_done_callback(lambda done, answer=answer: _relay(done, answer))
 
+    def _maybe_snapshot(self) -> None:
+        """Export every N steps, and as soon as the model answers a class set no snapshot has
+        (so replicas follow new classes without waiting N steps); one export at a time."""
+        every = self.settings.snapshot_every_steps
+        if not every or self.snapshots.in_flight:
+            return
+        new_classes = self.predictor.classes != self.snapshots.latest_classes
+        if new_classes or self.learner.steps - self._last_snapshot >= every:
+            self._snapshot("new classes" if new_classes else "periodic")
+
     def _snapshot(self, reason: str) -> Future:
         p = self.predictor  # the classes the published weights answer
-        return self.snapshots.submit(self.learner.model, list(p.classes), p.version, p.steps, self.trained, reason)
-
-    def publish(self) -> None:
-        """What readers see of the learner, replaced whole (atomic swaps) between steps."""
-        self.predictor = Predictor.from_learner(self.learner, self.store.classes())
-        buffer = getattr(self.learner, "buffer", None)
-        self.buffer_counts: dict[int, int] = buffer.class_counts() if buffer is not None else {}
-
-    def train_available(self) -> bool:
-        """Train on the next mini-batch if one is due; returns whether a step was taken."""
-        b = self.settings.batch_size
-        seqs, images, labels, received = self.store.after(self.trained_upto, b)
-        if not seqs:
-            return False
-        if len(seqs) < b and time.time() - received[0] < self.settings.max_batch_wait_s:
-            return False  # wait for a full batch a little longer
-        t0 = time.perf_counter()
-        self.learner.observe(images, labels)
-        self.last_step_seconds = time.perf_counter() - t0
-        self.trained_upto = seqs[-1]
-        self.metrics.train_step.observe(self.last_step_seconds)
-        self.metrics.samples_trained.inc(len(seqs))
-        self.publish()
-        if self.learner.steps - self.checkpointed_steps >= self.settings.checkpoint_every_steps:
-            self.checkpoint()
-        every = self.settings.snapshot_every_steps
-        if every and self.learner.steps % every == 0:
-            self._snapshot("periodic")
-        return True
+        self._last_snapshot = self.learner.steps
+        return self.snapshots.submit(self.learner.model, list(p.classes), p.version, p.steps, p.samples_trained,
+                                     reason)
 
 
 def _relay(done: Future, answer: Future) -> None:

@@ -138,13 +138,17 @@ BAD_REQUESTS = {
     "gif": (dict(json={"label": "x", "image": b64(png(fmt="GIF"))}), 415, "unsupported_format"),
     "bad base64": (dict(json={"label": "x", "image": "%%%"}), 422, "invalid_base64"),
     "missing label": (dict(json={"image": b64(png())}), 422, "invalid_request"),
-    "empty label": (dict(json={"label": "  ", "image": b64(png())}), 422, "invalid_label"),
-    "long label": (dict(json={"label": "x" * 101, "image": b64(png())}), 422, "invalid_label"),
-    "number label": (dict(json={"label": 7, "image": b64(png())}), 422, "invalid_label"),
-    "control chars": (dict(json={"label": "a\x00b", "image": b64(png())}), 422, "invalid_label"),
+    "empty label": (dict(json={"label": "  ", "image": b64(png())}), 422, "invalid_request"),
+    "long label": (dict(json={"label": "x" * 101, "image": b64(png())}), 422, "invalid_request"),
+    "number label": (dict(json={"label": 7, "image": b64(png())}), 422, "invalid_request"),
+    "control chars": (dict(json={"label": "a\x00b", "image": b64(png())}), 422, "invalid_request"),
     "empty body": (dict(content=b"", headers={"content-type": "application/json"}), 400, "empty_body"),
     "bad json": (dict(content=b"{", headers={"content-type": "application/json"}), 400, "invalid_json"),
-    "empty list": (dict(json={"samples": []}), 400, "invalid_request"),
+    "empty list": (dict(json={"samples": []}), 422, "invalid_request"),
+    "unknown field": (dict(json={"label": "x", "image": b64(png()), "colour": "red"}), 422, "invalid_request"),
+    "padded label": (dict(json={"label": " x", "image": b64(png())}), 422, "invalid_request"),
+    "bad sample id": (dict(json={"label": "x", "image": b64(png()), "id": "a b"}), 422, "invalid_request"),
+    "deeply nested": (dict(content=b"[" * 5000, headers={"content-type": "application/json"}), 400, "invalid_json"),
     "text body": (dict(content=b"hello", headers={"content-type": "text/plain"}), 415, "unsupported_media_type"),
     "huge body": (dict(content=b"0" * (17 * 1024 * 1024), headers={"content-type": "application/json"}), 413,
                   "body_too_large"),
@@ -304,7 +308,8 @@ def test_streaming_ingest_acknowledges_each_message(server, jpegs):
 
         with client.websocket() as ws:
             ack = ws.send(["airplane", "frog"], [jpegs[7][1], jpegs[-4][1]])
-            assert ack == {"message": 1, "accepted": 2, "first_seq": before + 10, "last_seq": before + 11}
+            assert ack == {"message": 1, "accepted": 2, "stored": 2, "duplicates": 0, "first_seq": before + 10,
+                           "last_seq": before + 11, "seqs": [before + 10, before + 11]}
             bad = ws.send(["airplane"], [jpegs[7][1][:100]])
             assert bad["error"] == "corrupt_image" and bad["status"] == 422
             acks = list(ws.pipeline([(["frog"], [img]) for _, img in jpegs[-8:-4]], window=3))

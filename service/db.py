@@ -1,0 +1,96 @@
+"""The service's one SQLite database, and the one discipline for using it across threads.
+
+- One writer connection, used only inside `write()`: a process-wide lock, then an explicit
+  `BEGIN IMMEDIATE` ... `COMMIT` (or `ROLLBACK` on any error). Every write, from any thread,
+  goes through it, so transactions never nest or interleave.
+- One read connection per thread, used only inside `read()`: an explicit `BEGIN` ... `COMMIT`,
+  so the statements of one read see one consistent snapshot (WAL lets readers run beside the
+  writer without waiting).
+- Statements go to the sqlite3 connections directly. sqlite-utils is used for what it is good
+  at, creating and migrating the schema, and never for queries: its versions differ in how
+  they wrap `query()` (4.x opens a SAVEPOINT for each one), and mixing such implicit
+  transactions with explicit ones on a shared connection is what broke the service before.
+
+>>> import tempfile, pathlib
+>>> db = Database(pathlib.Path(tempfile.mkdtemp()) / "x.db")
+>>> with db.write() as conn:
+...     _ = conn.execute("CREATE TABLE t (x INTEGER)")
+...     _ = conn.execute("INSERT INTO t VALUES (1)")
+>>> with db.read() as conn:
+...     conn.execute("SELECT x FROM t").fetchone()["x"]
+1
+>>> db.close()
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlite_utils
+
+
+class Database:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._write_lock = threading.Lock()
+        self._writer = self._connect()
+        self._readers = threading.local()
+        self._all: list[sqlite3.Connection] = [self._writer]
+        self._all_lock = threading.Lock()
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: sqlite3 opens no implicit transactions; ours are explicit
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
+        conn.execute("PRAGMA busy_timeout=10000")
+        conn.execute("PRAGMA foreign_keys=ON")
+        return conn
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, all or nothing; durable when the block exits."""
+        with self._write_lock:
+            conn = self._writer
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """This thread's read connection, inside one read transaction (re-entrant)."""
+        conn = getattr(self._readers, "conn", None)
+        if conn is None:
+            conn = self._readers.conn = self._connect()
+            with self._all_lock:
+                self._all.append(conn)
+        if conn.in_transaction:  # a read inside a read: same snapshot
+            yield conn
+            return
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            conn.execute("COMMIT")
+
+    @contextmanager
+    def schema(self) -> Iterator[sqlite_utils.Database]:
+        """sqlite-utils on the writer connection, for creating and migrating tables."""
+        with self._write_lock:
+            yield sqlite_utils.Database(self._writer)
+
+    def close(self) -> None:
+        with self._all_lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()

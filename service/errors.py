@@ -1,0 +1,50 @@
+"""What storage and the learner worker refuse, as domain errors. They know nothing of HTTP;
+`service.routers.errors` maps each to a status code and the JSON error body."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of the domain errors; `code` is the stable machine-readable name."""
+
+    code = "service_error"
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+class TooManyClasses(ServiceError):
+    code = "too_many_classes"
+
+
+class SampleIdConflict(ServiceError):
+    """A sample id was sent again with another label or image."""
+
+    code = "id_conflict"
+
+
+class NotFound(ServiceError):
+    code = "not_found"
+
+
+class NoClassesYet(ServiceError):
+    """The model has not learned any class, so it can neither predict nor be exported."""
+
+    code = "no_classes"
+
+
+class SnapshotFailed(ServiceError):
+    code = "snapshot_failed"
+
+
+class NoSnapshotYet(ServiceError):
+    """An inference replica has not loaded any snapshot yet."""
+
+    code = "no_snapshot"
+
+
+class Unavailable(ServiceError):
+    """A dependency of the request is not ready now; retrying later may succeed."""
+
+    code = "unavailable"

@@ -1,0 +1,1 @@
+"""The HTTP API, one router per concern; request parsing and error mapping beside them."""

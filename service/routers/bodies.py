@@ -1,0 +1,216 @@
+"""Request bodies: their models (the OpenAPI document is generated from the same models the
+parser validates with, so the two cannot disagree) and their parsing (JSON, multipart, NDJSON).
+
+Images travel as base64 strings in JSON (the custom string format `image-base64`: PNG, JPEG,
+WebP or BMP bytes, standard or URL-safe alphabet, padding optional) and as files in multipart.
+A label is 1 to `max_label_length` characters, with no control characters and no leading or
+trailing whitespace. A sample id, optional, is the client's name for one sample (1-128 of
+A-Z a-z 0-9 . _ : -): a sample sent again with the same id is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from functools import cached_property
+from typing import Annotated
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.datastructures import UploadFile
+
+from ..inputs import InputError, decode_base64
+from ..settings import Settings
+
+CONTROL = r"\x00-\x1f\x7f-\x9f"
+LABEL_PATTERN = rf"^[^\s{CONTROL}](?:[^{CONTROL}]*[^\s{CONTROL}])?$"
+SAMPLE_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+IMAGE_FORMATS = ("image/png", "image/jpeg", "image/webp", "image/bmp")
+NDJSON_TYPES = ("application/x-ndjson", "application/jsonl")
+STRICT_TYPES = ConfigDict(strict=True, regex_engine="python-re")
+STRICT = ConfigDict(extra="forbid", **STRICT_TYPES)
+
+
+class BodyModels:
+    """The request models of one service, with its limits (label length, samples per request)."""
+
+    def __init__(self, settings: Settings):
+        label = Annotated[str, Field(min_length=1, max_length=settings.max_label_length, pattern=LABEL_PATTERN,
+                                     description="the class name")]
+        sample_id = Annotated[str, Field(pattern=SAMPLE_ID_PATTERN, description="the client's id of this sample; "
+                                         "a repeated id is acknowledged again and stored once")]
+        image = Annotated[str, Field(min_length=1, json_schema_extra={"format": "image-base64"},
+                                     description="PNG, JPEG, WebP or BMP bytes, base64")]
+        n = settings.max_samples_per_request
+
+        class Sample(BaseModel):
+            model_config = STRICT
+            label: label
+            image: image
+            id: sample_id | None = None
+
+        class SampleBatch(BaseModel):
+            model_config = STRICT
+            samples: list[Sample] = Field(min_length=1, max_length=n)
+
+        class PredictImages(BaseModel):
+            model_config = STRICT
+            images: list[image] = Field(min_length=1, max_length=n)
+            k: int | None = Field(None, ge=1, description="how many labels per image (capped at the service's limit)")
+
+        class PredictImage(BaseModel):
+            model_config = STRICT
+            image: image
+            k: int | None = Field(None, ge=1)
+
+        self.labels = TypeAdapter(list[label], config=STRICT_TYPES)
+        self.ids = TypeAdapter(list[sample_id], config=STRICT_TYPES)
+        self.Sample, self.SampleBatch = Sample, SampleBatch
+        self.PredictImages, self.PredictImage = PredictImages, PredictImage
+        self.max_samples = n
+        self.settings = settings
+
+    # --- parsing -----------------------------------------------------------------------
+    def samples(self, body: bytes | str) -> list:
+        """A JSON sample or {'samples': [...]} -> Sample models."""
+        data = parse_json(body)
+        model = self.SampleBatch if isinstance(data, dict) and "samples" in data else self.Sample
+        parsed = validate(model, data)
+        return parsed.samples if model is self.SampleBatch else [parsed]
+
+    def predict_json(self, body: bytes) -> tuple[list[bytes], int | None]:
+        data = parse_json(body)
+        model = self.PredictImages if isinstance(data, dict) and "images" in data else self.PredictImage
+        parsed = validate(model, data)
+        images = parsed.images if model is self.PredictImages else [parsed.image]
+        return [decode_base64(t, f"image {i}") for i, t in enumerate(images)], parsed.k
+
+    # --- OpenAPI -------------------------------------------------------------------------
+    @cached_property
+    def components(self) -> dict:
+        """JSON schemas of the models, for #/components/schemas."""
+        out = {}
+        for model in (self.Sample, self.SampleBatch, self.PredictImages, self.PredictImage):
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            out.update(schema.pop("$defs", {}))
+            out[model.__name__] = schema
+        return out
+
+    def multipart(self, what: str, with_labels: bool) -> dict:
+        n = self.max_samples
+        props = {"image": {"type": "array", "minItems": 1, "maxItems": n,
+                           "items": {"type": "string", "format": "binary"}, "description": f"the {what}' images"}}
+        required = ["image"]
+        if with_labels:
+            label = self.components["Sample"]["properties"]["label"]
+            props["label"] = {"type": "array", "minItems": 1, "maxItems": n, "items": label,
+                              "description": "one label for all images, or one per image in order"}
+            props["id"] = {"type": "array", "maxItems": n, "items": self.components["Sample"]["properties"]["id"]
+                           ["anyOf"][0], "description": "optional: one sample id per image, in order"}
+            required.append("label")
+        return {"schema": {"type": "object", "properties": props, "required": required},
+                "encoding": {"image": {"contentType": ", ".join(IMAGE_FORMATS)}}}
+
+    def ingest_body(self) -> dict:
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"anyOf": [ref("Sample"), ref("SampleBatch")]}},
+            "multipart/form-data": self.multipart("samples", with_labels=True)}}}
+
+    def stream_body(self) -> dict:
+        return {"requestBody": {"required": True, "description": "one JSON sample (or batch) per line", "content": {
+            t: {"schema": {"type": "array", "items": {"anyOf": [ref("Sample"), ref("SampleBatch")]}}}
+            for t in NDJSON_TYPES}}}
+
+    def predict_body(self) -> dict:
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"anyOf": [ref("PredictImages"), ref("PredictImage")]}},
+            "multipart/form-data": self.multipart("predictions", with_labels=False)}}}
+
+
+def ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def parse_json(body: bytes | str):
+    if not body or not body.strip():
+        raise InputError("empty_body", "the request body is empty", 400)
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise InputError("invalid_json", "the body is nested too deeply", 400) from None
+    except ValueError as exc:
+        raise InputError("invalid_json", f"the body is not valid JSON: {exc}", 400) from exc
+
+
+def validate(model: type[BaseModel] | TypeAdapter, data):
+    try:
+        return model.validate_python(data) if isinstance(model, TypeAdapter) else model.model_validate(data)
+    except ValidationError as exc:
+        raise InputError("invalid_request", validation_detail(exc), 422) from exc
+    except RecursionError:
+        raise InputError("invalid_json", "the body is nested too deeply", 400) from None
+
+
+PATTERN_RULES = {
+    LABEL_PATTERN: "a label has no control characters and no leading or trailing whitespace",
+    SAMPLE_ID_PATTERN: "a sample id is 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+}
+
+
+def validation_detail(exc: ValidationError) -> list[dict]:
+    """Pydantic's errors as plain JSON: where, what, and the message (a pattern in words)."""
+    return [{"loc": [str(p) for p in e["loc"]], "type": e["type"],
+             "msg": PATTERN_RULES.get((e.get("ctx") or {}).get("pattern"), e["msg"])} for e in exc.errors()]
+
+
+def content_kind(request: Request) -> str:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "application/json":
+        return "json"
+    if ctype == "multipart/form-data":
+        return "multipart"
+    raise InputError("unsupported_media_type", "send application/json or multipart/form-data", 415)
+
+
+async def read_form(request: Request, models: BodyModels, with_labels: bool):
+    """The images (and labels and ids) of a multipart body."""
+    n = models.max_samples
+    form = await request.form(max_files=n + 1, max_fields=3 * n + 1)
+    files = [f for f in form.getlist("image") if isinstance(f, UploadFile)]
+    if not files:
+        raise InputError("invalid_request", "a multipart body needs one or more 'image' files", 422)
+    if len(files) > n:
+        raise InputError("too_many_samples", f"at most {n} images per request, got {len(files)}", 413)
+    blobs = [await f.read() for f in files]
+    if not with_labels:
+        return blobs, [], []
+    labels = [v for v in form.getlist("label") if isinstance(v, str)]
+    ids = [v for v in form.getlist("id") if isinstance(v, str)]
+    if len(labels) == 1 and len(files) > 1:
+        labels = labels * len(files)  # one label for the whole upload
+    if len(labels) != len(files) or (ids and len(ids) != len(files)):
+        raise InputError("invalid_request", f"got {len(files)} images, {len(labels)} labels and {len(ids)} ids; "
+                                            "send one label per image (or one for all) and, if any, one id per image",
+                         422)
+    labels, ids = validate(models.labels, labels), validate(models.ids, ids)
+    return blobs, labels, ids or [None] * len(blobs)
+
+
+async def ndjson_lines(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes | InputError]:
+    """Non-empty lines of a streamed body; a line over max_line bytes becomes an InputError."""
+    pending, skipping = b"", False
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if skipping:
+                skipping = False
+                continue
+            if line.strip():
+                yield line
+        if len(pending) > max_line:
+            if not skipping:
+                yield InputError("body_too_large", f"a line may hold {max_line} bytes", 413)
+            pending, skipping = b"", True
+    if pending.strip() and not skipping:
+        yield pending

@@ -1,0 +1,121 @@
+"""Every error the HTTP API answers: one JSON body, `{"error": code, "detail": ...}`, with the
+status code that fits. Domain errors (storage, worker) and input errors are mapped here and
+only here; the routes declare which of these statuses each can return, so the OpenAPI
+document lists them with this body."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import errors
+from ..inputs import InputError
+from ..metrics import Metrics
+
+log = logging.getLogger("aser.http")
+
+DOMAIN_STATUS = {
+    errors.TooManyClasses: 409,
+    errors.SampleIdConflict: 409,
+    errors.NotFound: 404,
+    errors.NoClassesYet: 409,
+    errors.SnapshotFailed: 503,
+    errors.Unavailable: 503,
+    errors.NoSnapshotYet: 503,
+}
+
+STATUS_TEXT = {
+    400: "Malformed request (empty body, invalid JSON)",
+    401: "Missing bearer token",
+    403: "This token may not do this",
+    404: "No such resource",
+    409: "Conflicts with the service's state",
+    413: "Body, image or sample count over the limit",
+    415: "Unsupported media type or image format",
+    422: "Invalid request (fields, labels, ids, images)",
+    503: "Not available now; retry later",
+}
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="a stable machine-readable code, e.g. corrupt_image, id_conflict")
+    detail: Any = Field(description="what was wrong: a sentence, or a list of field errors")
+
+
+def error_responses(*codes: int) -> dict:
+    """The `responses=` of a route that may answer these error statuses."""
+    return {code: {"model": ErrorBody, "description": STATUS_TEXT[code]} for code in codes}
+
+
+def error_json(code: str, detail, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+def as_input_error(exc: Exception) -> InputError:
+    """A domain or input error as the InputError (code, detail, status) the API answers."""
+    if isinstance(exc, InputError):
+        return exc
+    for kind, status in DOMAIN_STATUS.items():
+        if isinstance(exc, kind):
+            return InputError(exc.code, exc.detail, status)
+    raise TypeError(f"not an API error: {exc!r}")
+
+
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    async def api_error(request: Request, exc: Exception):
+        err = as_input_error(exc)
+        metrics.requests_rejected.labels(err.code).inc()
+        return error_json(err.code, err.detail, err.status)
+
+    app.add_exception_handler(InputError, api_error)
+    app.add_exception_handler(errors.ServiceError, api_error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        metrics.requests_rejected.labels("invalid_request").inc()
+        detail = [{"loc": [str(p) for p in e.get("loc", ())], "type": str(e.get("type")), "msg": str(e.get("msg"))}
+                  for e in exc.errors()]
+        return error_json("invalid_request", detail, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_json("http_error", exc.detail, exc.status_code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_json("internal_error", f"{type(exc).__name__}: the service failed on this request", 500)
+
+
+class BodyLimit:
+    """Refuses bodies over max_bytes with 413, by Content-Length or while streaming."""
+
+    def __init__(self, app, max_bytes: int, exempt: frozenset[str] = frozenset()):
+        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            body = error_json("body_too_large", f"the body ({length.decode(errors='replace')} bytes) exceeds "
+                              f"{self.max_bytes} bytes", 413)
+            return await body(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise InputError("body_too_large", f"the body exceeds {self.max_bytes} bytes", 413)
+            return message
+
+        return await self.app(scope, limited, send)

@@ -1,0 +1,116 @@
+"""Operations: health, readiness, status and Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from ..runtime import Runtime
+from ..settings import Settings
+from .auth import require
+from .errors import error_responses
+
+
+class Quarantined(BaseModel):
+    seq: int
+    error: str
+    at: float
+
+
+class WorkerHealth(BaseModel):
+    alive: bool
+    restarts: int = Field(description="times a failed step made the worker restart from the last checkpoint")
+    last_error: str | None
+    checkpoint_failures: int
+    snapshot_failures: int
+    quarantined: int = Field(description="samples set aside because training on them fails every time")
+    recent_quarantine: list[Quarantined]
+
+
+class Status(BaseModel):
+    samples_received: int = Field(description="samples acknowledged since the log began")
+    samples_trained: int = Field(description="samples in the model's lineage")
+    trained_upto: int = Field(description="the last sequence number the model has seen")
+    backlog: int = Field(description="acknowledged samples waiting to be trained on")
+    classes: list[str]
+    buffer: dict[str, int] = Field(description="replay memory: samples per class")
+    buffer_size: int
+    model_version: int
+    steps: int
+    last_step_ms: float
+    method: str
+    config: dict[str, float | int | str]
+    worker: WorkerHealth
+    error: str | None = Field(description="why the worker thread ended, if it did")
+    device: str
+    uptime_s: float
+
+
+def status(rt: Runtime) -> dict:
+    worker, store = rt.worker, rt.store
+    p = worker.predictor
+    classes = store.classes()
+    n_quarantined, recent = store.quarantined()
+    return {
+        "samples_received": store.received(),
+        "samples_trained": p.samples_trained,
+        "trained_upto": p.trained_upto,
+        "backlog": store.pending(p.trained_upto),
+        "classes": classes,
+        "buffer": {classes[c]: n for c, n in sorted(worker.buffer_counts.items()) if c < len(classes)},
+        "buffer_size": sum(worker.buffer_counts.values()),
+        "model_version": p.version,
+        "steps": p.steps,
+        "last_step_ms": round(1000 * worker.last_step_seconds, 2),
+        "method": rt.settings.method,
+        "config": {name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "replay_batch", "k",
+                                                                 "n_candidates", "per_class", "lr", "seed")},
+        "worker": {"alive": worker.alive, "restarts": worker.restarts, "last_error": worker.last_error,
+                   "checkpoint_failures": worker.checkpoint_failures,
+                   "snapshot_failures": worker.snapshots.failures, "quarantined": n_quarantined,
+                   "recent_quarantine": recent},
+        "error": None if worker.error is None else repr(worker.error),
+        "device": worker.device,
+        "uptime_s": round(time.time() - rt.started, 1),
+    }
+
+
+def router(settings: Settings) -> APIRouter:
+    api = APIRouter(tags=["operations"])
+
+    @api.get("/status", response_model=Status, dependencies=[require(settings, "read")],
+             responses=error_responses(401, 403))
+    async def get_status(request: Request):
+        """Counters, the replay memory per class, the classes, the model version, worker health."""
+        return await run_in_threadpool(status, request.app.state.runtime)
+
+    @api.get("/metrics", dependencies=[require(settings, "read")], response_class=Response,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        **error_responses(401, 403)})
+    async def prometheus_metrics(request: Request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        rt: Runtime = request.app.state.runtime
+        st = await run_in_threadpool(status, rt)
+        rt.metrics.observe_status(st)
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/healthz")
+    async def healthz():
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @api.get("/readyz", responses={503: {"description": "the learner worker has stopped"}})
+    async def readyz(request: Request):
+        """Readiness: the learner worker runs."""
+        worker = request.app.state.runtime.worker
+        if not worker.alive:
+            return JSONResponse({"status": "not ready", "detail": repr(worker.error)}, status_code=503)
+        return {"status": "ready"}
+
+    return api
