@@ -18,42 +18,17 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import httpx
 
 from .api import ServiceClient
-
-
-def real_jpegs(path: Path, n: int) -> list[tuple[str, bytes]]:
-    """The first n training JPEGs of the zip, as (class name, bytes), classes interleaved."""
-    with zipfile.ZipFile(path) as z:
-        names = sorted(x for x in z.namelist() if x.endswith(".jpg") and "/train/" in x)
-        by_class: dict[str, list[str]] = {}
-        for x in names:
-            by_class.setdefault(x.split("/")[-2], []).append(x)
-        picked = [files[i] for i in range(n // len(by_class) + 1) for files in by_class.values() if i < len(files)][:n]
-        return [(x.split("/")[-2], z.read(x)) for x in picked]
-
-
-def start_service(data_dir: str, port: int, env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "service"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "ASER_DATA_DIR": data_dir, "ASER_PORT": str(port), **env})
-    client = ServiceClient(f"http://127.0.0.1:{port}")
-    deadline = time.time() + 120
-    while not client.ready():
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError("the service did not start")
-        time.sleep(0.3)
-    return proc
+from .local_service import LocalService, real_jpegs
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -148,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if url is None:
             tmp = tempfile.TemporaryDirectory()
-            port = _free_port()
-            proc = start_service(tmp.name, port, {"ASER_SNAPSHOT_EVERY_STEPS": "0"})
-            url = f"http://127.0.0.1:{port}"
+            proc = LocalService(tmp.name, {"ASER_SNAPSHOT_EVERY_STEPS": "0"}).start()
+            url = proc.url
         ingest = ingest_phase(url, samples, args.ingest_clients, args.ingest_batch, args.seconds)
         print(json.dumps({"ingest": ingest}))
         predict = predict_phase(url, samples, args.predict_clients, args.seconds)
@@ -158,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         final = ServiceClient(url).status()
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+            proc.stop()
         if tmp is not None:
             tmp.cleanup()
     from .benchmark import machine_description, resolve_device
@@ -177,14 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
     admin_token: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _someone_can_write(self) -> "Settings":
+        if self.read_token is not None and self.write_token is None and self.admin_token is None:
+            raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
+                             "ASER_ADMIN_TOKEN too")
+        return self
 
     @property
     def database_path(self) -> Path:

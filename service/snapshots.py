@@ -22,6 +22,7 @@ import multiprocessing
 import signal
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,16 +100,21 @@ def run_export(job: ExportJob) -> int:
 def _serve_exports(conn) -> None:
     """The export process: one job at a time until the parent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the exporter's deprecation chatter
     torch.set_num_threads(1)  # leave the cores to training
     while True:
         try:
             job = conn.recv()
-        except EOFError:
-            return
+        except (EOFError, OSError):
+            return  # the parent is gone
         try:
-            conn.send((True, run_export(job) if job is not None else 0))  # None: warm up the imports
+            answer = (True, run_export(job) if job is not None else 0)  # None: warm up the imports
         except Exception as exc:  # reported to the parent, which fails that snapshot only
-            conn.send((False, f"{type(exc).__name__}: {exc}"))
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(answer)
+        except OSError:
+            return
 
 
 class ExportProcess:

@@ -6,8 +6,6 @@ import base64
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,53 +15,18 @@ import httpx
 import pytest
 from PIL import Image
 
+from clients.local_service import LocalService
+
 from .conftest import CIFAR10_ZIP, ROOT
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(LocalService):
+    """The service (or the replica) on a free loopback port, with small test defaults."""
 
-
-class Server:
     def __init__(self, data_dir, module="service", ready_path="/readyz", **env):
-        self.module, self.ready_path = module, ready_path
-        self.port = free_port()
-        self.env = {**os.environ, "ASER_DATA_DIR": str(data_dir), "ASER_PORT": str(self.port),
-                    "ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": str(ROOT),
-                    **{f"ASER_{k.upper()}": str(v) for k, v in env.items()}}
-        self.proc = None
-
-    def start(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, cwd=ROOT,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}{self.ready_path}", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("service did not become ready")
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        super().__init__(data_dir, {"ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": str(ROOT),
+                                    **{f"ASER_{k.upper()}": str(v) for k, v in env.items()}},
+                         module=module, ready_path=ready_path)
 
 
 @pytest.fixture(scope="module")

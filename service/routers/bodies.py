@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Annotated
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
 
 from ..inputs import InputError, decode_base64
@@ -31,14 +31,23 @@ STRICT_TYPES = ConfigDict(strict=True, regex_engine="python-re")
 STRICT = ConfigDict(extra="forbid", **STRICT_TYPES)
 
 
+def _integral(value):
+    """JSON Schema counts 5.0 as an integer; strict pydantic would not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+
 class BodyModels:
     """The request models of one service, with its limits (label length, samples per request)."""
 
     def __init__(self, settings: Settings):
         label = Annotated[str, Field(min_length=1, max_length=settings.max_label_length, pattern=LABEL_PATTERN,
-                                     description="the class name")]
+                                     description="the class name", examples=["airplane"])]
         sample_id = Annotated[str, Field(pattern=SAMPLE_ID_PATTERN, description="the client's id of this sample; "
-                                         "a repeated id is acknowledged again and stored once")]
+                                         "a repeated id is acknowledged again and stored once",
+                                         examples=["6f1c2a0e9b3d4c58a7e2f0b1c9d8e7a6"])]
         image = Annotated[str, Field(min_length=1, json_schema_extra={"format": "image-base64"},
                                      description="PNG, JPEG, WebP or BMP bytes, base64")]
         n = settings.max_samples_per_request
@@ -47,7 +56,7 @@ class BodyModels:
             model_config = STRICT
             label: label
             image: image
-            id: sample_id | None = None
+            id: sample_id = None  # optional, not nullable
 
         class SampleBatch(BaseModel):
             model_config = STRICT
@@ -56,12 +65,12 @@ class BodyModels:
         class PredictImages(BaseModel):
             model_config = STRICT
             images: list[image] = Field(min_length=1, max_length=n)
-            k: int | None = Field(None, ge=1, description="how many labels per image (capped at the service's limit)")
+            k: Integer = Field(None, ge=1, description="how many labels per image (capped at the service's limit)")
 
         class PredictImage(BaseModel):
             model_config = STRICT
             image: image
-            k: int | None = Field(None, ge=1)
+            k: Integer = Field(None, ge=1, description="how many labels (capped at the service's limit)")
 
         self.labels = TypeAdapter(list[label], config=STRICT_TYPES)
         self.ids = TypeAdapter(list[sample_id], config=STRICT_TYPES)
@@ -94,6 +103,10 @@ class BodyModels:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             out.update(schema.pop("$defs", {}))
             out[model.__name__] = schema
+        for schema in out.values():
+            for prop in schema["properties"].values():
+                if prop.get("default", 0) is None:  # optional fields are left out, never null
+                    del prop["default"]
         return out
 
     def multipart(self, what: str, with_labels: bool) -> dict:
@@ -105,8 +118,8 @@ class BodyModels:
             label = self.components["Sample"]["properties"]["label"]
             props["label"] = {"type": "array", "minItems": 1, "maxItems": n, "items": label,
                               "description": "one label for all images, or one per image in order"}
-            props["id"] = {"type": "array", "maxItems": n, "items": self.components["Sample"]["properties"]["id"]
-                           ["anyOf"][0], "description": "optional: one sample id per image, in order"}
+            props["id"] = {"type": "array", "maxItems": n, "items": self.components["Sample"]["properties"]["id"],
+                           "description": "optional: one sample id per image, in order"}
             required.append("label")
         return {"schema": {"type": "object", "properties": props, "required": required},
                 "encoding": {"image": {"contentType": ", ".join(IMAGE_FORMATS)}}}
@@ -117,9 +130,12 @@ class BodyModels:
             "multipart/form-data": self.multipart("samples", with_labels=True)}}}
 
     def stream_body(self) -> dict:
-        return {"requestBody": {"required": True, "description": "one JSON sample (or batch) per line", "content": {
-            t: {"schema": {"type": "array", "items": {"anyOf": [ref("Sample"), ref("SampleBatch")]}}}
-            for t in NDJSON_TYPES}}}
+        """Any lines are taken: each is judged alone, and a line that is not a Sample or a
+        SampleBatch is refused in its own acknowledgement while the stream goes on."""
+        line = {"anyOf": [ref("Sample"), ref("SampleBatch")]}
+        return {"requestBody": {"required": True, "description": "one JSON sample (or batch) per line; each line is "
+                                "validated alone (x-line-schema) and answered by its own acknowledgement",
+                                "content": {t: {"schema": {"x-line-schema": line}} for t in NDJSON_TYPES}}}
 
     def predict_body(self) -> dict:
         return {"requestBody": {"required": True, "content": {
@@ -176,12 +192,13 @@ async def read_form(request: Request, models: BodyModels, with_labels: bool):
     """The images (and labels and ids) of a multipart body."""
     n = models.max_samples
     form = await request.form(max_files=n + 1, max_fields=3 * n + 1)
-    files = [f for f in form.getlist("image") if isinstance(f, UploadFile)]
-    if not files:
-        raise InputError("invalid_request", "a multipart body needs one or more 'image' files", 422)
-    if len(files) > n:
-        raise InputError("too_many_samples", f"at most {n} images per request, got {len(files)}", 413)
-    blobs = [await f.read() for f in files]
+    parts = form.getlist("image")
+    if not parts:
+        raise InputError("invalid_request", "a multipart body needs one or more 'image' parts", 422)
+    if len(parts) > n:
+        raise InputError("too_many_samples", f"at most {n} images per request, got {len(parts)}", 413)
+    blobs = [await p.read() if isinstance(p, UploadFile) else text_part_bytes(p) for p in parts]
+    files = parts
     if not with_labels:
         return blobs, [], []
     labels = [v for v in form.getlist("label") if isinstance(v, str)]
@@ -194,6 +211,17 @@ async def read_form(request: Request, models: BodyModels, with_labels: bool):
                          422)
     labels, ids = validate(models.labels, labels), validate(models.ids, ids)
     return blobs, labels, ids or [None] * len(blobs)
+
+
+def text_part_bytes(text: str) -> bytes:
+    """The bytes of a multipart part sent without a filename, which Starlette hands over as text
+    (decoded as UTF-8 when valid, else as Latin-1). Image files are not valid UTF-8 (JPEG has
+    0xFF bytes, PNG starts with 0x89; an all-ASCII file reads the same both ways), so Latin-1
+    gives their bytes back; text with characters beyond Latin-1 was UTF-8 and is not an image."""
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8")
 
 
 async def ndjson_lines(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes | InputError]:

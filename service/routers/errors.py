@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .. import errors
 from ..inputs import InputError
@@ -85,12 +86,32 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return error_json("http_error", exc.detail, exc.status_code, getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            headers["Allow"] = ", ".join(sorted(allowed_methods(request)))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_json(code, exc.detail, exc.status_code, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_json("internal_error", f"{type(exc).__name__}: the service failed on this request", 500)
+
+
+def allowed_methods(request: Request) -> set[str]:
+    """The methods of every route whose path matches the request's."""
+    return {m for route in _leaf_routes(request.app.router.routes) if route.matches(request.scope)[0] != Match.NONE
+            for m in route.methods}
+
+
+def _leaf_routes(routes):
+    """Routes with methods, looking into included routers (FastAPI >= 0.165 nests them)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _leaf_routes(inner.routes)
+        elif getattr(route, "methods", None):
+            yield route
 
 
 class BodyLimit:
