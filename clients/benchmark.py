@@ -3,7 +3,8 @@ the paper and report its metrics.
 
     python -m clients.benchmark run --dataset cifar10 --data ../shared/datasets/cifar10-jpeg.zip \
         --method aser-mu --mem-size 1000 --seed 0 1 2 --out results/cifar10/aser-mu-m1000.json
-    python -m clients.benchmark table results/cifar10 --out results/cifar10/table.md
+    python -m clients.benchmark table results/cifar10 --out results/cifar10/table.md --compare er aser-mu
+    python -m clients.benchmark sweep results/grid.toml --jobs 2 --out results
     python -m clients.benchmark speed
 """
 
@@ -16,7 +17,6 @@ import platform
 import shlex
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -24,7 +24,10 @@ import torch
 from learner import METHODS, average_accuracy, average_forgetting, make_learner
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
 from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
-from learner.metrics import mean_ci95
+from learner.ncm import memory_ncm
+from learner.objective import LOSSES, STEPS
+
+from .results import comparison_table, comparisons, group, load_results, plot_accuracy, plot_seeds, summary_table
 
 SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu"}
 
@@ -49,14 +52,21 @@ def machine_description(device: torch.device) -> str:
     return f"{cpu}, {torch.get_num_threads()} threads"
 
 
-def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> list[float]:
-    """Test accuracy (percent) on each task's held-out set."""
-    accs = []
+def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[float], list[float] | None]:
+    """Test accuracy (percent) on each task's held-out set: of the softmax head, and of the
+    nearest-class-mean classifier on the memory (None for a learner without memory)."""
+    ncm = memory_ncm(learner)
+    head, nearest = [], []
     for classes in tasks:
         x, y = task_test_set(data, classes)
-        pred = learner.predict(x).cpu()
-        accs.append(100.0 * float((pred == y).float().mean()) if y.numel() else math.nan)
-    return accs
+        head.append(percent_correct(learner.predict(x).cpu(), y))
+        if ncm is not None:
+            nearest.append(percent_correct(ncm.predict(learner.extract(x)).cpu(), y))
+    return head, (nearest if ncm is not None else None)
+
+
+def percent_correct(pred: torch.Tensor, y: torch.Tensor) -> float:
+    return 100.0 * float((pred == y).float().mean()) if y.numel() else math.nan
 
 
 def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict:
@@ -75,7 +85,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
     learner = make_learner(
         args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
-        exclude_current_task=args.exclude_current_task, lr=args.lr, device=device, seed=seed,
+        exclude_current_task=args.exclude_current_task, loss=args.loss, step=args.step, lr=args.lr,
+        device=device, seed=seed,
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
     )
@@ -89,6 +100,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         n_steps = stream_steps(data, tasks, args.batch_size)
     bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
     matrix: list[list[float]] = []
+    ncm_matrix: list[list[float]] = []
     train_seconds = 0.0
     if iid:
         everything = [c for t in tasks for c in t]
@@ -98,7 +110,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
                 learner.observe(x, y)
                 bar.update(1)
             train_seconds += time.perf_counter() - t0
-        matrix.append(evaluate(learner, data, tasks))
+        record(evaluate(learner, data, tasks), matrix, ncm_matrix)
     else:
         for classes in tasks:
             t0 = time.perf_counter()
@@ -108,10 +120,11 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
                 bar.update(1)
             learner.end_task()
             train_seconds += time.perf_counter() - t0
-            matrix.append(evaluate(learner, data, tasks))
+            record(evaluate(learner, data, tasks), matrix, ncm_matrix)
             bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
     bar.close()
     forgetting = average_forgetting(matrix)
+    ncm = ncm_summary(ncm_matrix) if len(ncm_matrix) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
     uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
     return {
@@ -122,9 +135,11 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "accuracy_matrix": matrix,
         "average_accuracy": average_accuracy(matrix),
         "average_forgetting": None if math.isnan(forgetting) else forgetting,
+        **ncm,
         "train_seconds": round(train_seconds, 2),
         "steps": learner.steps,
         "settings": {
+            "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch, "epochs": epochs,
             "exclude_current_task": args.exclude_current_task, "bf16": args.bf16, "bf16_latent": args.bf16_latent,
@@ -138,6 +153,19 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "command": _command(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def record(evaluation: tuple, matrix: list, ncm_matrix: list) -> None:
+    head, nearest = evaluation
+    matrix.append(head)
+    if nearest is not None:
+        ncm_matrix.append(nearest)
+
+
+def ncm_summary(matrix: list[list[float]]) -> dict:
+    forgetting = average_forgetting(matrix)
+    return {"accuracy_matrix_ncm": matrix, "average_accuracy_ncm": average_accuracy(matrix),
+            "average_forgetting_ncm": None if math.isnan(forgetting) else forgetting}
 
 
 def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int) -> int:
@@ -192,100 +220,26 @@ def cmd_run(args) -> int:
     return 0
 
 
-def load_results(folder: Path) -> list[dict]:
-    results = []
-    for f in sorted(folder.rglob("*.json")):
-        try:
-            r = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(r, dict) and "accuracy_matrix" in r and "method" in r:
-            results.append(r)
-    return results
-
-
-def run_label(result: dict) -> str:
-    """The method, with the precision mode and the service path when they are not the defaults.
-
-    >>> run_label({"method": "aser-mu", "settings": {"bf16_latent": True}})
-    'aser-mu (bf16-latent)'
-    >>> run_label({"method": "er", "settings": {}, "via": "http://127.0.0.1:8000"})
-    'er (via service)'
-    """
-    settings = result.get("settings", {})
-    modes = [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
-             if settings.get(key)]
-    if result.get("via"):
-        modes.append("via service")
-    return result["method"] + (f" ({', '.join(modes)})" if modes else "")
-
-
-def _fmt(values: list[float]) -> str:
-    if not values:
-        return "n/a"
-    mean, ci = mean_ci95(values)
-    return f"{mean:.1f} ± {ci:.1f}" if not math.isnan(ci) else f"{mean:.1f}"
-
-
 def cmd_table(args) -> int:
     results = load_results(Path(args.folder))
     if not results:
         print(f"error: no result files in {args.folder}", file=sys.stderr)
         return 2
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in results:
-        groups[(r["dataset"], r["mem_size"] or 0, run_label(r))].append(r)
-    order = {m: i for i, m in enumerate(METHODS)}
-    lines = ["| dataset | M | method | seeds | A_T (%) | F_T (%) | train s / run | train set |",
-             "|---|---|---|---|---|---|---|---|"]
-    for (dataset, mem, method), rs in sorted(groups.items(),
-                                             key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2].split()[0], 99),
-                                                             kv[0][2])):
-        acc = [r["average_accuracy"] for r in rs]
-        fgt = [r["average_forgetting"] for r in rs if r["average_forgetting"] is not None]
-        secs = sum(r["train_seconds"] for r in rs) / len(rs)
-        lines.append(f"| {dataset} | {mem or '-'} | {method} | {len(rs)} | {_fmt(acc)} | {_fmt(fgt)} | "
-                     f"{secs:.0f} | {rs[0]['settings']['train_samples']} |")
-    table = "\n".join(lines) + "\n\nMean ± 95% CI (t-interval) over seeds.\n"
-    print(table)
+    groups = group(results)
+    text = summary_table(groups)
+    if args.compare:
+        text += "\n" + comparison_table(comparisons(groups, [tuple(p) for p in args.compare]))
+    print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table)
+        Path(args.out).write_text(text)
     if args.plot:
         plot_accuracy(groups, Path(args.plot))
+    for spec in args.seeds_plot or []:
+        dataset, mem, path = spec.split(":", 2)
+        labels = list(dict.fromkeys(label for pair in args.compare or [] for label in pair))
+        plot_seeds(groups, labels, Path(path), dataset, int(mem))
     return 0
-
-
-def plot_accuracy(groups: dict, path: Path) -> None:
-    """Average accuracy on the tasks observed so far, after each task (the paper's Figure 2)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (_dataset, mem, method), rs in sorted(groups.items()):
-        curves = [[sum(row[: i + 1]) / (i + 1) for i, row in enumerate(r["accuracy_matrix"])] for r in rs
-                  if len(r["accuracy_matrix"]) > 1]
-        if not curves:
-            continue
-        arr = np.array(curves)
-        x = np.arange(1, arr.shape[1] + 1)
-        mean = arr.mean(0)
-        ax.plot(x, mean, marker="o", label=f"{method} (M={mem})")
-        if len(curves) > 1:
-            ci = np.array([mean_ci95(list(arr[:, i]))[1] for i in range(arr.shape[1])])
-            ax.fill_between(x, mean - ci, mean + ci, alpha=0.2)
-        ax.set_xticks(x)
-    ax.set_ylim(0, 100)
-    ax.set_xlabel("tasks trained")
-    ax.set_ylabel("average accuracy on observed tasks (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--replay-batch", type=int, default=10, help="replay batch size b_M")
     run.add_argument("--tasks", type=int, help="number of tasks (default: 5 for CIFAR-10, 10 otherwise)")
     run.add_argument("--epochs", type=int, help="epochs of iid-online/iid-offline (default 1 / 5)")
+    run.add_argument("--step", choices=STEPS, default="joint",
+                     help="replay methods: one forward pass of B_n u B_M (joint, the paper's Algorithm 1) or two, "
+                          "summing the two mean losses (separate, the authors' ER code)")
+    run.add_argument("--loss", choices=LOSSES, default="ce",
+                     help="replay methods: cross-entropy (ce) or ER-ACE's asymmetric cross-entropy (ace)")
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast (off by default)")
@@ -322,14 +281,21 @@ def build_parser() -> argparse.ArgumentParser:
                      "(its ASER_* settings decide the learner; it must be fresh)")
     run.add_argument("--token", help="with --via: an admin token (it writes and reads)")
     run.set_defaults(func=cmd_run)
-    table = sub.add_parser("table", help="markdown table (mean ± 95%% CI) and plot from result files")
+    table = sub.add_parser("table", help="markdown table (mean ± 95%% CI), paired comparisons and plots")
     table.add_argument("folder")
-    table.add_argument("--out", help="write the markdown table here")
+    table.add_argument("--out", help="write the markdown tables here")
     table.add_argument("--plot", help="write the accuracy-over-tasks plot (PNG) here")
+    table.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
+                       help="paired comparison of two configurations (labels as in the table, e.g. 'er' "
+                            "'aser-mu (ace)') over the seeds both ran, in every dataset and M; repeatable")
+    table.add_argument("--seeds-plot", action="append", metavar="DATASET:M:PNG",
+                       help="plot A_T per seed of the compared configurations for one dataset and M")
     table.set_defaults(func=cmd_table)
     from .speed import add_parser as add_speed_parser
+    from .sweep import add_parser as add_sweep_parser
 
     add_speed_parser(sub)
+    add_sweep_parser(sub)
     return parser
 
 

@@ -101,21 +101,29 @@ class ContinualLearner:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 yield
 
-    def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Train-mode forward pass: uint8 images -> float32 logits."""
         with self._autocast():
             logits = self.train_forward(self.to_input(images))
-        return F.cross_entropy(logits.float(), labels)
+        return logits.float()
 
-    def sgd_step(self, images: torch.Tensor, labels: torch.Tensor, extra_loss=None) -> float:
-        """One SGD step on the mean cross-entropy of (images, labels)."""
+    def loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.forward_logits(images), labels)
+
+    def optimize(self, loss_fn) -> torch.Tensor:
+        """One SGD step on the loss `loss_fn()` computes."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(images, labels)
-        if extra_loss is not None:
-            loss = loss + extra_loss()
+        loss = loss_fn()
         loss.backward()
         self.optimizer.step()
         self.version += 1
         return loss.detach()
+
+    def sgd_step(self, images: torch.Tensor, labels: torch.Tensor, extra_loss=None) -> torch.Tensor:
+        """One SGD step on the mean cross-entropy of (images, labels) (plus `extra_loss()`)."""
+        if extra_loss is None:
+            return self.optimize(lambda: self.loss(images, labels))
+        return self.optimize(lambda: self.loss(images, labels) + extra_loss())
 
     def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""

@@ -13,6 +13,7 @@ from .agem import AGEM
 from .base import ContinualLearner
 from .ewc import EWCpp
 from .finetune import FineTune
+from .objective import ReplayObjective
 from .replay import ReplayLearner
 from .retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, RandomRetrieval
 from .update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
@@ -64,11 +65,12 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
                  k: int | None = None, n_candidates: int | None = None, replay_batch: int = 10,
                  exclude_current_task: bool = False, mir_subsample: int | None = None,
                  gss_batches: int | None = None, ewc_lambda: float = 100.0,
-                 per_class: int | None = None, **kwargs) -> ContinualLearner:
+                 per_class: int | None = None, loss: str = "ce", step: str = "joint", **kwargs) -> ContinualLearner:
     """Build `method` for a stream with `num_classes` classes (the head's initial width).
 
-    kwargs go to the learner (lr, device, seed, image_shape, channels_last, autocast_dtype,
-    latent_dtype, compile).
+    `loss` (ce | ace) and `step` (joint | separate) choose the replay methods' objective
+    (`learner.objective`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
+    autocast_dtype, latent_dtype, compile).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.
@@ -76,6 +78,9 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     paper = PAPER_SETTINGS.get(dataset, PAPER_SETTINGS["cifar10"])
+    objective = ReplayObjective(loss, step)
+    if method not in REPLAY_METHODS and objective != ReplayObjective():
+        raise ValueError(f"--loss and --step apply to the replay methods ({', '.join(REPLAY_METHODS)}), not {method}")
     if method in ("finetune", "iid-online", "iid-offline"):
         return FineTune(num_classes, **kwargs)
     if method == "ewc":
@@ -100,4 +105,4 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
         "dist-mu": lambda: DistRetrieval(per_class=per_class, mean=True),
     }[retrieval_name]()
     return ReplayLearner(num_classes, update, retrieval, mem_size=mem_size, replay_batch=replay_batch,
-                         exclude_current_task=exclude_current_task, **kwargs)
+                         exclude_current_task=exclude_current_task, objective=objective, **kwargs)

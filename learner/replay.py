@@ -1,8 +1,9 @@
 """Experience replay with swappable MemoryUpdate and MemoryRetrieval (Algorithm 1).
 
-Each step: B_M <- retrieve(B_n, M); SGD on B_n u B_M (one forward pass, mean cross-entropy);
-M <- update(B_n, M). ER, MIR, GSS, ASER, ASER_mu and the ablations are all this class with
-different policies (see `learner.methods`).
+Each step: B_M <- retrieve(B_n, M); one SGD step on the objective of (B_n, B_M) (by default one
+forward pass of B_n u B_M and its mean cross-entropy; see `learner.objective` for the `separate`
+step and the ACE loss); M <- update(B_n, M). ER, MIR, GSS, ASER, ASER_mu and the ablations are
+all this class with different policies (see `learner.methods`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import torch
 from .base import ContinualLearner
 from .buffer import ReplayBuffer
 from .latent import Latent
+from .objective import ReplayObjective
 from .policy import MemoryRetrieval, MemoryUpdate, StepContext
 
 
 class ReplayLearner(ContinualLearner):
     def __init__(self, num_classes: int, update: MemoryUpdate, retrieval: MemoryRetrieval, mem_size: int,
-                 replay_batch: int = 10, exclude_current_task: bool = False, **kwargs):
+                 replay_batch: int = 10, exclude_current_task: bool = False,
+                 objective: ReplayObjective = ReplayObjective(), **kwargs):
         super().__init__(num_classes, **kwargs)
+        self.objective = objective
         self.update_policy = update
         self.retrieval_policy = retrieval
         self.replay_batch = replay_batch
@@ -40,9 +44,8 @@ class ReplayLearner(ContinualLearner):
     def _observe(self, images, labels):
         ctx = self.context()
         slots = self.retrieve(images, labels, ctx)
-        x = torch.cat([images, self.buffer.images[slots]])
-        y = torch.cat([labels, self.buffer.labels[slots]])
-        loss = self.sgd_step(x, y)
+        replay_x, replay_y = self.buffer.images[slots], self.buffer.labels[slots]
+        loss = self.optimize(lambda: self.objective(self.forward_logits, images, labels, replay_x, replay_y))
         ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
         self.update_policy.update(self.buffer, images, labels, ctx)
         ctx.stats.update(loss=loss, replayed=slots.numel())

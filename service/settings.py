@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from learner.methods import METHODS, REPLAY_METHODS
 
 
 class Settings(BaseSettings):
@@ -30,6 +33,10 @@ class Settings(BaseSettings):
     n_candidates: int = Field(90, ge=1)
     per_class: int = Field(9, ge=1, description="S_sub and retrieval candidates per class (N_c / classes)")
     lr: float = Field(0.1, gt=0)
+    step: Literal["joint", "separate"] = Field("joint", description="replay step: one forward pass of incoming + "
+                                               "replayed samples (joint) or two with summed losses (separate)")
+    loss: Literal["ce", "ace"] = Field("ce", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
+                                       "cross-entropy (ace)")
     device: str = "auto"
     latent_bf16: bool = Field(False, description="the memory policies' feature passes in bf16 (training and "
                               "predictions stay fp32); ~2x faster ASER steps on CPUs with AMX / AVX-512 BF16")
@@ -59,6 +66,14 @@ class Settings(BaseSettings):
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
     admin_token: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _learner_exists(self) -> "Settings":
+        if self.method not in METHODS:
+            raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.method not in REPLAY_METHODS and (self.step, self.loss) != ("joint", "ce"):
+            raise ValueError(f"ASER_STEP and ASER_LOSS apply to the replay methods, not {self.method}")
+        return self
 
     @model_validator(mode="after")
     def _someone_can_write(self) -> "Settings":

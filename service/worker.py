@@ -119,7 +119,7 @@ class LearnerWorker:
     def _build_learner(self) -> ContinualLearner:
         s = self.settings
         return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
-                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, device=self.device,
+                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, step=s.step, loss=s.loss, device=self.device,
                             seed=s.seed, image_shape=self.image_shape,
                             latent_dtype=torch.bfloat16 if s.latent_bf16 else None)
 

@@ -1,0 +1,184 @@
+"""Benchmark result files: loading, naming a configuration, the summary table (mean ± 95%
+t-interval over seeds, as the paper reports), paired comparisons between two configurations run
+with the same seeds, and the plots.
+
+>>> run_label({"method": "er", "settings": {"step": "separate", "loss": "ace"}})
+'er (separate, ace)'
+>>> d = paired_difference({1: 40.0, 2: 42.0, 3: 41.0}, {1: 43.0, 2: 44.0, 3: 43.5, 4: 50.0})
+>>> d["seeds"], round(d["mean"], 2), d["wins_a"], d["wins_b"]
+(3, 2.5, 0, 3)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from learner import METHODS
+from learner.metrics import mean_ci95
+
+
+def load_results(folder: Path) -> list[dict]:
+    results = []
+    for f in sorted(Path(folder).rglob("*.json")):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(r, dict) and "accuracy_matrix" in r and "method" in r:
+            results.append(r)
+    return results
+
+
+def run_label(result: dict) -> str:
+    """The method, with what is not the default: step, loss, precision mode, the service path.
+
+    >>> run_label({"method": "aser-mu", "settings": {"bf16_latent": True}})
+    'aser-mu (bf16-latent)'
+    >>> run_label({"method": "er", "settings": {}, "via": "http://127.0.0.1:8000"})
+    'er (via service)'
+    """
+    settings = result.get("settings", {})
+    modes = [settings[k] for k, default in (("step", "joint"), ("loss", "ce")) if settings.get(k, default) != default]
+    modes += [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
+              if settings.get(key)]
+    if result.get("via"):
+        modes.append("via service")
+    return result["method"] + (f" ({', '.join(modes)})" if modes else "")
+
+
+def group(results: list[dict]) -> dict[tuple, list[dict]]:
+    """Results by (dataset, memory size, configuration label)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[(r["dataset"], r["mem_size"] or 0, run_label(r))].append(r)
+    return groups
+
+
+def fmt(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    mean, ci = mean_ci95(values)
+    return f"{mean:.1f} ± {ci:.1f}" if not math.isnan(ci) else f"{mean:.1f}"
+
+
+def summary_table(groups: dict[tuple, list[dict]]) -> str:
+    order = {m: i for i, m in enumerate(METHODS)}
+    lines = ["| dataset | M | configuration | seeds | A_T (%) | F_T (%) | NCM A_T (%) | NCM F_T (%) | train s / run |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (dataset, mem, label), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                           order.get(kv[0][2].split()[0], 99),
+                                                                           kv[0][2])):
+        def values(key):
+            return [r[key] for r in rs if r.get(key) is not None]
+
+        secs = sum(r["train_seconds"] for r in rs) / len(rs)
+        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {fmt(values('average_accuracy'))} | "
+                     f"{fmt(values('average_forgetting'))} | {fmt(values('average_accuracy_ncm'))} | "
+                     f"{fmt(values('average_forgetting_ncm'))} | {secs:.0f} |")
+    return "\n".join(lines) + "\n\nMean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory.\n"
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
+    """B - A over the seeds both have: mean, 95% paired t-interval half-width, wins of each."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [b[s] - a[s] for s in seeds]
+    mean, ci = mean_ci95(diffs) if diffs else (math.nan, math.nan)
+    return {"seeds": len(seeds), "mean": mean, "ci95": ci, "wins_a": sum(d < 0 for d in diffs),
+            "wins_b": sum(d > 0 for d in diffs), "seed_list": seeds}
+
+
+def by_seed(rs: list[dict], key: str) -> dict[int, float]:
+    return {r["seed"]: r[key] for r in rs if r.get(key) is not None}
+
+
+def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -> list[dict]:
+    """Each pair (A, B) of configuration labels, compared within every (dataset, M) that has both."""
+    out = []
+    for a_label, b_label in pairs:
+        for (dataset, mem, label), a_runs in sorted(groups.items()):
+            b_runs = groups.get((dataset, mem, b_label))
+            if label != a_label or not b_runs:
+                continue
+            row = {"dataset": dataset, "mem_size": mem, "a": a_label, "b": b_label,
+                   "accuracy": paired_difference(by_seed(a_runs, "average_accuracy"),
+                                                 by_seed(b_runs, "average_accuracy")),
+                   "ncm": paired_difference(by_seed(a_runs, "average_accuracy_ncm"),
+                                            by_seed(b_runs, "average_accuracy_ncm"))}
+            out.append(row)
+    return out
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| dataset | M | A | B | paired seeds | B − A: A_T (pts) | seeds A / B wins | B − A: NCM A_T (pts) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc, ncm = r["accuracy"], r["ncm"]
+        lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {acc['seeds']} | "
+                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {_signed(ncm) if ncm['seeds'] else 'n/a'} |")
+    return "\n".join(lines) + "\n\nMean paired difference ± 95% paired t-interval over the seeds both ran.\n"
+
+
+def _signed(d: dict) -> str:
+    if d["seeds"] < 2:
+        return f"{d['mean']:+.2f}" if d["seeds"] else "n/a"
+    return f"{d['mean']:+.2f} ± {d['ci95']:.2f}"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(groups: dict, path: Path) -> None:
+    """Average accuracy on the tasks observed so far, after each task (the paper's Figure 2)."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (_dataset, mem, label), rs in sorted(groups.items()):
+        curves = [[sum(row[: i + 1]) / (i + 1) for i, row in enumerate(r["accuracy_matrix"])] for r in rs
+                  if len(r["accuracy_matrix"]) > 1]
+        if not curves:
+            continue
+        arr = np.array(curves)
+        x = np.arange(1, arr.shape[1] + 1)
+        mean = arr.mean(0)
+        ax.plot(x, mean, marker="o", label=f"{label} (M={mem})")
+        if len(curves) > 1:
+            ci = np.array([mean_ci95(list(arr[:, i]))[1] for i in range(arr.shape[1])])
+            ax.fill_between(x, mean - ci, mean + ci, alpha=0.2)
+        ax.set_xticks(x)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("tasks trained")
+    ax.set_ylabel("average accuracy on observed tasks (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def plot_seeds(groups: dict, labels: list[str], path: Path, dataset: str, mem: int) -> None:
+    """A_T per seed of the given configurations (one dataset and memory size), seeds on the x axis,
+    so paired runs line up."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label in labels:
+        rs = sorted(groups.get((dataset, mem, label), []), key=lambda r: r["seed"])
+        if rs:
+            ax.plot([r["seed"] for r in rs], [r["average_accuracy"] for r in rs], marker="o", label=label)
+    ax.set_xlabel("seed")
+    ax.set_ylabel("A_T (%)")
+    ax.set_title(f"{dataset}, M={mem}: final average accuracy per seed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,238 @@
+"""A resumable sweep of benchmark runs: `python -m clients.benchmark sweep GRID --jobs N --out DIR`.
+
+GRID (TOML, or YAML) holds the datasets' paths and blocks of runs; in a block every key is a
+value or a list, and the block stands for every combination:
+
+    [data]
+    cifar10 = "../shared/datasets/cifar10-jpeg.zip"
+
+    [[runs]]                      # tier 1
+    dataset = "cifar10"
+    method = ["er", "aser-mu"]
+    mem_size = 1000
+    step = "joint"                # joint | separate
+    loss = "ce"                   # ce | ace
+    precision = "fp32"            # fp32 | bf16-latent | bf16 | bf16-compile
+    seed = "0-14"                 # a list, or a range "a-b"
+
+Other keys of a block (train_per_class, lr, ...) are passed to `run` as they are and do not enter
+the file names. Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-m<M>]-seed<s>.json
+(defaults left out, so earlier result files count). A combination whose file exists is skipped,
+so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
+with the threads split between them, blocks in order and seeds interleaved (so paired
+configurations fill up together). A run holds `<file>.lock` while it works and writes its result
+under a temporary name, renamed when complete: two sweeps never write the same file, and a lock
+left by a process that died is taken over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from learner.methods import REPLAY_METHODS
+
+AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed")
+DEFAULTS = {"mem_size": 1000, "step": "joint", "loss": "ce", "precision": "fp32"}
+PRECISION_FLAGS = {"fp32": [], "bf16-latent": ["--bf16-latent"], "bf16": ["--bf16"], "bf16-compile": ["--bf16", "--compile"]}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    dataset: str
+    method: str
+    mem_size: int
+    step: str
+    loss: str
+    precision: str
+    seed: int
+    extra: tuple = field(default=())  # (key, value) pairs passed through to `run`
+
+    @property
+    def uses_memory(self) -> bool:
+        return self.method in REPLAY_METHODS or self.method == "agem"
+
+    def file_name(self) -> str:
+        """
+        >>> RunSpec("cifar10", "er", 1000, "separate", "ace", "fp32", 3).file_name()
+        'er-separate-ace-m1000-seed3.json'
+        >>> RunSpec("cifar10", "aser-mu", 1000, "joint", "ce", "bf16-latent", 0).file_name()
+        'aser-mu-bf16latent-m1000-seed0.json'
+        >>> RunSpec("cifar10", "iid-offline", 1000, "joint", "ce", "fp32", 0).file_name()
+        'iid-offline-seed0.json'
+        """
+        parts = [self.method]
+        if self.precision != "fp32":
+            parts.append(self.precision.replace("-", ""))
+        parts += [v for v, default in ((self.step, "joint"), (self.loss, "ce")) if v != default]
+        if self.uses_memory:
+            parts.append(f"m{self.mem_size}")
+        return "-".join(parts) + f"-seed{self.seed}.json"
+
+    def command(self, data: str, out: Path, threads: int, device: str) -> list[str]:
+        cmd = [sys.executable, "-m", "clients.benchmark", "run", "--dataset", self.dataset, "--data", data,
+               "--method", self.method, "--mem-size", str(self.mem_size), "--seed", str(self.seed),
+               "--threads", str(threads), "--device", device, "--quiet", "--out", str(out),
+               *PRECISION_FLAGS[self.precision]]
+        if self.method in REPLAY_METHODS:
+            cmd += ["--step", self.step, "--loss", self.loss]
+        for key, value in self.extra:
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        return cmd
+
+
+def read_grid(path: Path) -> dict:
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(text)
+    return tomllib.loads(text)
+
+
+def seeds(value) -> list[int]:
+    if isinstance(value, str) and "-" in value:
+        first, last = value.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def expand(grid: dict) -> list[RunSpec]:
+    """Every combination of every block, blocks in order, seeds interleaved within a block."""
+    specs: list[RunSpec] = []
+    for block in grid.get("runs", []):
+        axes = {k: block.get(k, DEFAULTS.get(k)) for k in AXES}
+        if axes["dataset"] is None or axes["method"] is None or axes["seed"] is None:
+            raise ValueError(f"a block needs dataset, method and seed: {block}")
+        values = [seeds(axes["seed"]) if k == "seed" else (v if isinstance(v, list) else [v]) for k, v in axes.items()]
+        extra = tuple(sorted((k, v) for k, v in block.items() if k not in AXES))
+        combos = [RunSpec(*combo, extra=extra) for combo in itertools.product(*values)]
+        specs += sorted(combos, key=lambda s: s.seed)  # stable: the other axes keep their order per seed
+    return list(dict.fromkeys(specs))
+
+
+class Lock:
+    """`<file>.lock`, created exclusively; a lock whose process is gone is taken over."""
+
+    def __init__(self, target: Path):
+        self.path = target.with_name(target.name + ".lock")
+
+    def acquire(self) -> bool:
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if not self._stale():
+                    return False
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
+            return True
+        return False
+
+    def _stale(self) -> bool:
+        try:
+            owner = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return True  # half-written by a process that died while creating it
+        if owner.get("host") != socket.gethostname():
+            return True  # another machine's session, which has ended
+        try:
+            os.kill(owner["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, log_dir: Path) -> dict | None:
+    """Run one combination unless its file exists or another process holds it; the result, or None."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = Lock(target)
+    if target.exists() or not lock.acquire():
+        return None
+    partial = target.with_name(target.name + ".partial")
+    try:
+        if target.exists():  # finished by another sweep between the check and the lock
+            return None
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / (target.stem + ".log"), "w") as log:
+            code = subprocess.run(spec.command(data, partial, threads, device), stdout=log, stderr=subprocess.STDOUT,
+                                  cwd=Path(__file__).resolve().parents[1]).returncode
+        if code != 0 or not partial.exists():
+            raise RuntimeError(f"{target.name}: the run failed (exit {code}); see {log_dir / (target.stem + '.log')}")
+        os.replace(partial, target)
+        return json.loads(target.read_text())
+    finally:
+        partial.unlink(missing_ok=True)
+        lock.release()
+
+
+def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, device: str = "auto",
+          log_dir: Path = Path(".cache/sweep-logs"), dry_run: bool = False, printer=print) -> tuple[list[Path], int]:
+    """Run what is missing; returns the result files written by this call and the count of failed runs."""
+    grid = read_grid(grid_path)
+    todo = [s for s in expand(grid) if not (out / s.dataset / s.file_name()).exists()]
+    printer(f"{len(todo)} runs to do in {out} ({len(expand(grid)) - len(todo)} already there)")
+    if dry_run:
+        for s in todo:
+            printer(f"  {s.dataset}/{s.file_name()}")
+        return [], 0
+    per_job = max(1, (threads or os.cpu_count() or 1) // jobs)
+    written: list[Path] = []
+    failed = 0
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_one, s, grid["data"][s.dataset], out / s.dataset / s.file_name(), per_job,
+                               device, log_dir): s for s in todo}
+        for done, future in enumerate(as_completed(futures), 1):
+            spec = futures[future]
+            target = out / spec.dataset / spec.file_name()
+            try:
+                result = future.result()
+            except Exception as exc:  # one failed run does not stop the sweep
+                printer(f"[{done}/{len(todo)}] FAILED {exc}")
+                failed += 1
+                continue
+            if result is None:
+                printer(f"[{done}/{len(todo)}] skipped {target} (done or held by another sweep)")
+                continue
+            written.append(target)
+            printer(f"[{done}/{len(todo)}] {spec.dataset} {target.stem}: A_T {result['average_accuracy']:.2f}"
+                    f"{_ncm(result)}, {result['train_seconds']:.0f} s training -> {target}")
+    return written, failed
+
+
+def _ncm(result: dict) -> str:
+    return f" (NCM {result['average_accuracy_ncm']:.2f})" if result.get("average_accuracy_ncm") is not None else ""
+
+
+def cmd_sweep(args) -> int:
+    _, failed = sweep(Path(args.grid), Path(args.out), args.jobs, args.threads, args.device, Path(args.log_dir),
+                      args.dry_run, printer=lambda line: print(line, flush=True))
+    return 1 if failed else 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="run every combination of a grid whose result file is missing (resumable)")
+    p.add_argument("grid", help="a TOML or YAML grid (see clients/sweep.py)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once")
+    p.add_argument("--out", default="results", help="result folder (files go to OUT/<dataset>/)")
+    p.add_argument("--threads", type=int, help="threads in all, split between the jobs (default: all cores)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--log-dir", default=".cache/sweep-logs", help="each run's output")
+    p.add_argument("--dry-run", action="store_true", help="list what would run")
+    p.set_defaults(func=cmd_sweep)

@@ -1,0 +1,102 @@
+"""The resumable sweep and the paired comparison, on tiny slices of the real CIFAR-10 data: each
+run is a real `clients.benchmark run` subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+from clients.benchmark import main
+from clients.results import paired_difference
+from clients.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
+
+from .conftest import CIFAR10_ZIP
+
+GRID = """
+[data]
+cifar10 = "{data}"
+
+[[runs]]
+dataset = "cifar10"
+method = "er"
+step = ["joint", "separate"]
+mem_size = 30
+seed = "0-1"
+train_per_class = 20
+test_per_class = 10
+cache_dir = "{cache}"
+"""
+
+
+def write_grid(tmp_path, cache_dir):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(GRID.format(data=CIFAR10_ZIP, cache=cache_dir))
+    return grid
+
+
+def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
+    grid, out = write_grid(tmp_path, cache_dir), tmp_path / "results"
+    # an interrupted earlier sweep left one result; it is kept, not run again
+    (out / "cifar10").mkdir(parents=True)
+    lines: list[str] = []
+    first = RunSpec("cifar10", "er", 30, "joint", "ce", "fp32", 0, extra=expand(read_grid(grid))[0].extra)
+    assert run_one(first, str(CIFAR10_ZIP), out / "cifar10" / first.file_name(), 1, "cpu", tmp_path / "logs")
+    before = (out / "cifar10" / "er-m30-seed0.json").stat().st_mtime_ns
+
+    written, failed = sweep(grid, out, jobs=2, threads=2, log_dir=tmp_path / "logs", printer=lines.append)
+    assert failed == 0 and lines[0].startswith("3 runs to do") and "(1 already there)" in lines[0]
+    names = sorted(p.name for p in written)
+    assert names == ["er-m30-seed1.json", "er-separate-m30-seed0.json", "er-separate-m30-seed1.json"]
+    assert (out / "cifar10" / "er-m30-seed0.json").stat().st_mtime_ns == before
+    assert sum("A_T" in line for line in lines) == 3  # a progress line per finished run
+    for name in names:
+        r = json.loads((out / "cifar10" / name).read_text())
+        assert r["settings"]["step"] == ("separate" if "separate" in name else "joint")
+        assert r["settings"]["threads"] == 1 and r["mem_size"] == 30 and r["average_accuracy_ncm"] is not None
+    assert not list(out.rglob("*.lock")) and not list(out.rglob("*.partial"))
+
+    lines.clear()
+    assert sweep(grid, out, jobs=2, log_dir=tmp_path / "logs", printer=lines.append) == ([], 0)
+    assert lines == ["0 runs to do in " + str(out) + " (4 already there)"]
+
+    # the paired comparison of the two steps over the two seeds, and the per-seed plot
+    table = tmp_path / "table.md"
+    assert main(["table", str(out), "--out", str(table), "--compare", "er", "er (separate)",
+                 "--seeds-plot", f"cifar10:30:{tmp_path / 'seeds.png'}"]) == 0
+    text = table.read_text()
+    assert "| cifar10 | 30 | er (separate) | 2 |" in text
+    assert "| cifar10 | 30 | er | er (separate) | 2 |" in text
+    assert (tmp_path / "seeds.png").stat().st_size > 1000
+
+
+def test_a_held_lock_is_respected_and_a_dead_ones_taken_over(tmp_path, cache_dir):
+    spec = RunSpec("cifar10", "er", 30, "joint", "ce", "fp32", 5,
+                   extra=(("cache_dir", str(cache_dir)), ("test_per_class", 10), ("train_per_class", 20)))
+    target = tmp_path / spec.file_name()
+    held = Lock(target)
+    assert held.acquire() and not Lock(target).acquire()  # this process holds it
+    assert run_one(spec, str(CIFAR10_ZIP), target, 1, "cpu", tmp_path / "logs") is None
+    assert not target.exists() and held.path.exists()
+    held.release()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    held.path.write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "started": 0}))
+    result = run_one(spec, str(CIFAR10_ZIP), target, 1, "cpu", tmp_path / "logs")
+    assert result["seed"] == 5 and target.exists() and not held.path.exists()
+
+
+def test_a_failed_run_is_reported_and_leaves_nothing(tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(f'[data]\ncifar10 = "{tmp_path / "missing.zip"}"\n\n'
+                    '[[runs]]\ndataset = "cifar10"\nmethod = "er"\nseed = 0\n')
+    lines: list[str] = []
+    assert sweep(grid, tmp_path / "out", jobs=1, log_dir=tmp_path / "logs", printer=lines.append) == ([], 1)
+    assert "FAILED" in lines[-1] and "does not exist" in (tmp_path / "logs" / "er-m1000-seed0.log").read_text()
+    assert not list((tmp_path / "out").rglob("*.*"))
+
+
+def test_paired_difference_is_a_paired_t_interval():
+    # differences 1, 2, 3: mean 2, sd 1, t(0.975, 2 df) = 4.303 -> half-width 4.303 / sqrt 3
+    d = paired_difference({0: 50.0, 1: 40.0, 2: 45.0}, {0: 51.0, 1: 42.0, 2: 48.0})
+    assert d["seeds"] == 3 and d["mean"] == 2.0 and abs(d["ci95"] - 4.3027 / 3 ** 0.5) < 1e-3
+    assert (d["wins_a"], d["wins_b"]) == (0, 3)
