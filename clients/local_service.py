@@ -27,13 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def real_jpegs(path: Path, n: int, split: str = "train") -> list[tuple[str, bytes]]:
-    """The first n JPEGs of a CIFAR-10 zip's split, as (class name, bytes), classes interleaved."""
+def real_jpegs(path: Path, n: int, split: str = "train", classes: list[str] | None = None) -> list[tuple[str, bytes]]:
+    """The first n JPEGs of a CIFAR-10 zip's split (of the given classes, or all), as (class name,
+    bytes), classes interleaved."""
     with zipfile.ZipFile(path) as z:
         names = sorted(x for x in z.namelist() if x.endswith(".jpg") and f"/{split}/" in x)
-        by_class: dict[str, list[str]] = {}
+        by_class: dict[str, list[str]] = {c: [] for c in classes or []}
         for x in names:
-            by_class.setdefault(x.split("/")[-2], []).append(x)
+            if classes is None or x.split("/")[-2] in by_class:
+                by_class.setdefault(x.split("/")[-2], []).append(x)
         picked = [files[i] for i in range(n // len(by_class) + 1) for files in by_class.values() if i < len(files)][:n]
         return [(x.split("/")[-2], z.read(x)) for x in picked]
 

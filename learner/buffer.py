@@ -28,6 +28,7 @@ class ReplayBuffer:
         self.labels = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
         self.size = 0  # slots 0..size-1 are filled
         self.n_seen = 0  # stream samples offered to the buffer so far (reservoir's n)
+        self.entered = torch.zeros(capacity, dtype=torch.long)  # n_seen when each slot was last written
         self.features: torch.Tensor | None = None
         self.feature_version = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
 
@@ -46,6 +47,7 @@ class ReplayBuffer:
         slots = slots.to(self.device)
         self.images[slots] = images.to(self.device)
         self.labels[slots] = labels.to(self.device)
+        self.entered[slots.cpu()] = self.n_seen
         if features is not None:
             self._ensure_feature_store(features.shape[1], features.dtype)
             self.features[slots] = features.to(self.device)
@@ -87,6 +89,7 @@ class ReplayBuffer:
             "images": self.images[: self.size].cpu(),
             "labels": self.labels[: self.size].cpu(),
             "n_seen": self.n_seen,
+            "entered": self.entered[: self.size].clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -99,4 +102,7 @@ class ReplayBuffer:
         self.write(torch.arange(n, device=self.device), state["images"], state["labels"])
         self.size = n
         self.n_seen = int(state["n_seen"])
+        self.entered.zero_()
+        if "entered" in state:  # absent from checkpoints written before it existed
+            self.entered[:n] = state["entered"]
         self.feature_version.fill_(-1)

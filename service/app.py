@@ -1,5 +1,6 @@
-"""The HTTP face of one learner: the routers (ingest, predict, snapshots, operations) over one
-`Runtime` (database, ingest log, learner worker), opened at start-up and closed at shutdown."""
+"""The HTTP face of one learner: the routers (ingest, predict, snapshots, memory, operations,
+dashboard) over one `Runtime` (database, ingest log, learner worker), opened at start-up and
+closed at shutdown."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from .metrics import Metrics
-from .routers import ingest, operations, predict, snapshots
+from .routers import dashboard, ingest, memory, operations, predict, snapshots
 from .routers.bodies import BodyModels
 from .routers.errors import BodyLimit, install_error_handlers
 from .runtime import Runtime
@@ -37,7 +38,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ingest.router(settings, models))
     app.include_router(predict.router(settings, models))
     app.include_router(snapshots.router(settings))
+    app.include_router(memory.router(settings))
     app.include_router(operations.router(settings))
+    app.include_router(dashboard.router())
+    app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
     use_body_schemas(app, models)
     return app
 

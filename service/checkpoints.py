@@ -43,9 +43,11 @@ class CheckpointStore:
             row = conn.execute("SELECT * FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
         return dict(row) if row else None
 
-    def save(self, learner: ContinualLearner, trained_upto: int) -> int:
-        """Persist the lineage; returns the checkpoint id once committed."""
+    def save(self, learner: ContinualLearner, trained_upto: int, extra: dict | None = None) -> int:
+        """Persist the lineage (and `extra`, the service's own state of the same moment); returns the
+        checkpoint id once committed."""
         state = learner.state_dict()
+        state["service_extra"] = extra or {}
         buffer = state.pop("buffer", None)
         if buffer is not None:
             state["buffer_meta"] = {k: v for k, v in buffer.items() if k not in ("images", "labels")}
@@ -68,13 +70,15 @@ class CheckpointStore:
         self._remove_files_except(name)
         return cid
 
-    def restore(self, learner: ContinualLearner) -> int:
-        """Load the last committed checkpoint into `learner`; returns its trained_upto (0: none)."""
+    def restore(self, learner: ContinualLearner) -> tuple[int, dict]:
+        """Load the last committed checkpoint into `learner`; returns its trained_upto (0: none) and
+        the `extra` saved with it."""
         row = self.latest()
         self._remove_files_except(row["file"] if row else None)
         if row is None:
-            return 0
+            return 0, {}
         state = torch.load(self.directory / row["file"], weights_only=True, map_location=learner.device)
+        extra = state.pop("service_extra", {})
         meta = state.pop("buffer_meta", None)
         if meta is not None:
             with self.db.read() as conn:
@@ -82,7 +86,7 @@ class CheckpointStore:
             state["buffer"] = {**meta, "images": images_from_blobs([r["image"] for r in rows], meta["image_shape"]),
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)
-        return row["trained_upto"]
+        return row["trained_upto"], extra
 
     def _remove_files_except(self, keep: str | None) -> None:
         """Old checkpoint files and orphans of interrupted saves."""

@@ -26,6 +26,14 @@ class Metrics:
         self.quarantined = Gauge("aser_samples_quarantined", "Samples set aside because training on them fails",
                                  registry=r)
         self.snapshot_failures = Gauge("aser_snapshot_failures", "Snapshot exports that failed", registry=r)
+        self.online_accuracy = Gauge("aser_online_accuracy", "Test-then-train accuracy on every sample scored",
+                                     registry=r)
+        self.online_window_accuracy = Gauge("aser_online_window_accuracy", "Test-then-train accuracy over the last "
+                                            "ASER_ONLINE_WINDOW samples", registry=r)
+        self.online_class_accuracy = Gauge("aser_online_class_accuracy", "Test-then-train accuracy per class",
+                                           ["class_label"], registry=r)
+        self.new_class_samples = Gauge("aser_online_new_class_samples", "Samples of a class the model had not "
+                                       "learned yet when they arrived", registry=r)
         self.worker_up = Gauge("aser_worker_up", "1 while the learner worker runs", registry=r)
 
     def observe_status(self, status: dict) -> None:
@@ -35,3 +43,11 @@ class Metrics:
         self.quarantined.set(status["worker"]["quarantined"])
         self.snapshot_failures.set(status["worker"]["snapshot_failures"])
         self.worker_up.set(1 if status["worker"]["alive"] else 0)
+        online = status["online"]
+        self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))
+        self.online_window_accuracy.set(online["window_accuracy"] if online["window_accuracy"] is not None
+                                        else float("nan"))
+        self.new_class_samples.set(online["new_class_samples"])
+        self.online_class_accuracy.clear()  # a forgotten class leaves the exposition
+        for label, figures in online["per_class"].items():
+            self.online_class_accuracy.labels(class_label=label).set(figures["accuracy"])

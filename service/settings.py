@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
     snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps and whenever "
                                       "the model has learned a new class (0: only on request)")
+    online_window: int = Field(1000, ge=1, description="samples in the sliding window of online accuracy")
+    history_every_steps: int = Field(10, ge=1, description="store a point of the history every N training steps")
     snapshot_timeout_s: float = Field(120.0, gt=0)
     snapshot_keep: int = Field(20, ge=1, description="keep the newest N snapshots; older files and rows are removed")
 

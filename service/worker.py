@@ -34,6 +34,7 @@ from .checkpoints import CheckpointStore
 from .db import Database
 from .errors import NoClassesYet
 from .metrics import Metrics
+from .online import History, HistoryPoint, OnlineAccuracy
 from .settings import Settings
 from .snapshots import SnapshotStore
 from .store import IngestLog, LogEntry, images_from_blobs
@@ -71,6 +72,26 @@ class Predictor:
             return torch.softmax(logits, dim=1)
 
 
+@dataclass(frozen=True)
+class MemoryView:
+    """A copy of the replay memory as of one step: class id, stream position and pixels per slot."""
+
+    class_ids: tuple[int, ...]
+    entered: tuple[int, ...]  # samples trained when the slot was written
+    images: torch.Tensor  # uint8 [size, 3, H, W]
+
+    @classmethod
+    def of(cls, learner: ContinualLearner) -> "MemoryView":
+        buffer = getattr(learner, "buffer", None)
+        if buffer is None:
+            return cls((), (), torch.zeros(0, dtype=torch.uint8))
+        n = buffer.size
+        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()), buffer.images[:n].cpu().clone())
+
+    def class_counts(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.class_ids).items()))
+
+
 def resolve_device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
@@ -85,6 +106,7 @@ class LearnerWorker:
         self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
+        self.history = History(db)
         self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()
         self.restarts = 0
         self.last_error: str | None = None
@@ -126,7 +148,8 @@ class LearnerWorker:
     def _load(self) -> None:
         """(Re)start from the last committed checkpoint."""
         learner = self._build_learner()
-        self.trained_upto = self.checkpoints.restore(learner)  # the last sequence number the model has seen
+        self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
+        self.online = OnlineAccuracy.from_state(extra.get("online"), self.settings.online_window)
         self.learner = learner
         self.checkpointed_steps = self._last_checkpoint_try = self._last_snapshot = learner.steps
         self.consistent = True
@@ -188,7 +211,9 @@ class LearnerWorker:
         self.consistent = False
         t0 = time.perf_counter()
         images = images_from_blobs([e.image for e in entries], self.image_shape)
-        self.learner.observe(images, torch.tensor([e.class_id for e in entries]))
+        labels = [e.class_id for e in entries]
+        self._score_before_training(images, labels)
+        stats = self.learner.observe(images, torch.tensor(labels))
         self.last_step_seconds = time.perf_counter() - t0
         self.trained_upto = entries[-1].seq
         self.consistent = True
@@ -198,9 +223,33 @@ class LearnerWorker:
         self.metrics.train_step.observe(self.last_step_seconds)
         self.metrics.samples_trained.inc(len(entries))
         self.publish()
+        if self.learner.steps % self.settings.history_every_steps == 0:
+            self._record_history(stats.get("loss"))
         if self.learner.steps - self._last_checkpoint_try >= self.settings.checkpoint_every_steps:
             self.checkpoint()
         self._maybe_snapshot()
+
+    def _score_before_training(self, images: torch.Tensor, labels: list[int]) -> None:
+        """Test-then-train: the published model (the one about to step) predicts the batch."""
+        known = len(self.predictor.classes)
+        predicted = self.predictor.probabilities(images).argmax(1).tolist() if known else [-1] * len(labels)
+        self.online.score(predicted, labels, known)
+
+    def _record_history(self, loss) -> None:
+        """One point of the time series; a failure to write it never stops training."""
+        classes = self.predictor.classes
+        point = HistoryPoint(
+            samples_trained=self.learner.samples_seen, steps=self.learner.steps, at=time.time(),
+            accuracy=self.online.accuracy, window_accuracy=self.online.window_accuracy,
+            new_class_samples=self.online.new_class_samples, loss=None if loss is None else float(loss),
+            step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
+            backlog=self.store.pending(self.trained_upto),
+            per_class={classes[c]: right / n for c, (right, n) in self.online.per_class().items() if c < len(classes)},
+            memory={classes[c]: n for c, n in self.memory.class_counts().items() if c < len(classes)})
+        try:
+            self.history.add(point)
+        except Exception:
+            log.exception("writing a history point failed; training goes on")
 
     def _set_aside_poison(self, entries: list[LogEntry]) -> list[LogEntry]:
         """Quarantine the samples of this batch that make training fail every time."""
@@ -229,13 +278,12 @@ class LearnerWorker:
     def publish(self) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
         self.predictor = Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto)
-        buffer = getattr(self.learner, "buffer", None)
-        self.buffer_counts: dict[int, int] = buffer.class_counts() if buffer is not None else {}
+        self.memory = MemoryView.of(self.learner)
 
     def checkpoint(self) -> bool:
         """Persist the lineage; a failure (disk full, say) is logged and retried later."""
         try:
-            self.checkpoints.save(self.learner, self.trained_upto)
+            self.checkpoints.save(self.learner, self.trained_upto, extra={"online": self.online.state_dict()})
         except Exception:
             log.exception("checkpoint failed; training goes on, the previous checkpoint stays in force")
             self.checkpoint_failures += 1

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -31,12 +32,44 @@ class WorkerHealth(BaseModel):
     recent_quarantine: list[Quarantined]
 
 
+class ClassAccuracy(BaseModel):
+    accuracy: float
+    samples: int
+
+
+class OnlineFigures(BaseModel):
+    accuracy: float | None = Field(description="test-then-train accuracy on every sample scored so far (each sample "
+                                   "predicted by the model about to train on it)")
+    window_accuracy: float | None = Field(description="the same over the last `window` samples scored")
+    window: int
+    samples_scored: int
+    new_class_samples: int = Field(description="samples of a class the model had not learned yet (not in the "
+                                   "accuracies)")
+    per_class: dict[str, ClassAccuracy]
+
+
+class Point(BaseModel):
+    samples_trained: int
+    steps: int
+    at: float = Field(description="Unix time")
+    accuracy: float | None
+    window_accuracy: float | None
+    new_class_samples: int
+    loss: float | None
+    step_ms: float
+    received: int
+    backlog: int
+    per_class: dict[str, float] = Field(description="cumulative online accuracy per class")
+    memory: dict[str, int] = Field(description="replay memory: samples per class")
+
+
 class Status(BaseModel):
     samples_received: int = Field(description="samples acknowledged since the log began")
     samples_trained: int = Field(description="samples in the model's lineage")
     trained_upto: int = Field(description="the last sequence number the model has seen")
     backlog: int = Field(description="acknowledged samples waiting to be trained on")
     classes: list[str]
+    online: OnlineFigures
     buffer: dict[str, int] = Field(description="replay memory: samples per class")
     buffer_size: int
     model_version: int
@@ -61,8 +94,9 @@ def status(rt: Runtime) -> dict:
         "trained_upto": p.trained_upto,
         "backlog": store.pending(p.trained_upto),
         "classes": classes,
-        "buffer": {classes[c]: n for c, n in sorted(worker.buffer_counts.items()) if c < len(classes)},
-        "buffer_size": sum(worker.buffer_counts.values()),
+        "online": worker.online.summary(classes),
+        "buffer": {classes[c]: n for c, n in worker.memory.class_counts().items() if c < len(classes)},
+        "buffer_size": len(worker.memory.class_ids),
         "model_version": p.version,
         "steps": p.steps,
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
@@ -100,6 +134,16 @@ def router(settings: Settings) -> APIRouter:
         st = await run_in_threadpool(status, rt)
         rt.metrics.observe_status(st)
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/history", response_model=list[Point], dependencies=[require(settings, "read")],
+             responses=error_responses(401, 403, 422))
+    async def history(request: Request, since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+                      limit: Annotated[int, Query(ge=1, le=10_000)] = 1000):
+        """The time series of training, a point every few steps, oldest first: the points after
+        `since` samples trained, at most `limit` of them (ask again with the last one's
+        `samples_trained` for more)."""
+        points = await run_in_threadpool(request.app.state.runtime.worker.history.since, since, limit)
+        return [p.__dict__ for p in points]
 
     @api.get("/healthz")
     async def healthz():

@@ -1,0 +1,153 @@
+"""Online (test-then-train, prequential) accuracy and its history.
+
+Every labelled sample is scored by the model that is about to train on it, before the step, so
+the stream itself is the test set. Samples of a class the head has never seen cannot be right;
+they are counted apart (`new_class_samples`) and left out of the accuracies. The figures are kept
+cumulatively, over a sliding window of the last N scored samples, and per class; their state
+travels with the checkpoint (so a restart resumes them in step with the model), and a point
+every few steps goes to the `history` table, which only ever grows forwards.
+
+>>> acc = OnlineAccuracy(window=3)
+>>> acc.score(predicted=[0, 1, 1, 0], labels=[0, 1, 0, 2], known=2)  # class 2 is new
+>>> acc.accuracy, acc.window_accuracy, acc.new_class_samples
+(0.6666666666666666, 0.6666666666666666, 1)
+>>> acc.score(predicted=[0], labels=[1], known=2)
+>>> acc.window_accuracy, acc.per_class()
+(0.3333333333333333, {0: (1, 2), 1: (1, 2)})
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .db import Database
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS history (samples_trained INTEGER PRIMARY KEY, steps INTEGER NOT NULL, at REAL NOT NULL,
+    accuracy REAL, window_accuracy REAL, new_class_samples INTEGER NOT NULL, loss REAL, step_ms REAL NOT NULL,
+    received INTEGER NOT NULL, backlog INTEGER NOT NULL, per_class TEXT NOT NULL, memory TEXT NOT NULL);
+"""
+
+
+class OnlineAccuracy:
+    def __init__(self, window: int = 1000):
+        self.window = window
+        self.recent: deque[bool] = deque(maxlen=window)
+        self.correct = 0
+        self.scored = 0
+        self.new_class_samples = 0
+        self.class_correct: dict[int, int] = {}
+        self.class_scored: dict[int, int] = {}
+
+    def score(self, predicted: Sequence[int], labels: Sequence[int], known: int) -> None:
+        """Count one batch: `predicted` by the model before its step; `known` classes it can answer."""
+        for guess, label in zip(predicted, labels):
+            if label >= known:
+                self.new_class_samples += 1
+                continue
+            hit = guess == label
+            self.recent.append(hit)
+            self.correct += hit
+            self.scored += 1
+            self.class_correct[label] = self.class_correct.get(label, 0) + hit
+            self.class_scored[label] = self.class_scored.get(label, 0) + 1
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.scored if self.scored else None
+
+    @property
+    def window_accuracy(self) -> float | None:
+        return sum(self.recent) / len(self.recent) if self.recent else None
+
+    def per_class(self) -> dict[int, tuple[int, int]]:
+        """class id -> (correct, scored)."""
+        return {c: (self.class_correct[c], n) for c, n in sorted(self.class_scored.items())}
+
+    def forget_class(self, class_id: int) -> None:
+        """Drop a forgotten class's per-class figures (the totals keep what was measured)."""
+        self.class_correct.pop(class_id, None)
+        self.class_scored.pop(class_id, None)
+
+    # --- persistence with the checkpoint -----------------------------------------------
+    def state_dict(self) -> dict:
+        return {"window": self.window, "recent": list(self.recent), "correct": self.correct, "scored": self.scored,
+                "new_class_samples": self.new_class_samples, "class_correct": dict(self.class_correct),
+                "class_scored": dict(self.class_scored)}
+
+    @classmethod
+    def from_state(cls, state: dict | None, window: int) -> "OnlineAccuracy":
+        acc = cls(window)
+        if state:
+            acc.recent.extend(state["recent"])
+            acc.correct, acc.scored = state["correct"], state["scored"]
+            acc.new_class_samples = state["new_class_samples"]
+            acc.class_correct = {int(k): v for k, v in state["class_correct"].items()}
+            acc.class_scored = {int(k): v for k, v in state["class_scored"].items()}
+        return acc
+
+    def summary(self, classes: Sequence[str]) -> dict:
+        """The figures as /status shows them, classes by label."""
+        return {"accuracy": self.accuracy, "window_accuracy": self.window_accuracy, "window": self.window,
+                "samples_scored": self.scored, "new_class_samples": self.new_class_samples,
+                "per_class": {classes[c]: {"accuracy": right / n, "samples": n}
+                              for c, (right, n) in self.per_class().items() if c < len(classes)}}
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    samples_trained: int
+    steps: int
+    at: float
+    accuracy: float | None
+    window_accuracy: float | None
+    new_class_samples: int
+    loss: float | None
+    step_ms: float
+    received: int
+    backlog: int
+    per_class: dict[str, float]  # cumulative online accuracy per class label
+    memory: dict[str, int]  # replay memory: samples per class label
+
+
+class History:
+    """The time series in SQLite. A point never goes behind the last one stored: after a restart
+    from an older checkpoint the steps trained again add no point until they pass it."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        with db.schema() as schema:
+            schema.executescript(SCHEMA)
+
+    def add(self, point: HistoryPoint) -> bool:
+        with self.db.write() as conn:
+            last = conn.execute("SELECT MAX(samples_trained) FROM history").fetchone()[0]
+            if last is not None and point.samples_trained <= last:
+                return False
+            row = {**point.__dict__, "per_class": json.dumps(point.per_class), "memory": json.dumps(point.memory)}
+            conn.execute(f"INSERT INTO history ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                         list(row.values()))
+        return True
+
+    def since(self, samples_trained: int, limit: int) -> list[HistoryPoint]:
+        """Points after `samples_trained`, oldest first, at most `limit`."""
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT * FROM history WHERE samples_trained > ? ORDER BY samples_trained LIMIT ?",
+                                (samples_trained, limit)).fetchall()
+        return [HistoryPoint(**{**dict(r), "per_class": json.loads(r["per_class"]), "memory": json.loads(r["memory"])})
+                for r in rows]
+
+    def forget_label(self, label: str) -> None:
+        """Remove a forgotten class's label from every stored point."""
+        with self.db.write() as conn:
+            rows = conn.execute("SELECT samples_trained, per_class, memory FROM history").fetchall()
+            for r in rows:
+                per_class, memory = json.loads(r["per_class"]), json.loads(r["memory"])
+                if label in per_class or label in memory:
+                    per_class.pop(label, None)
+                    memory.pop(label, None)
+                    conn.execute("UPDATE history SET per_class = ?, memory = ? WHERE samples_trained = ?",
+                                 (json.dumps(per_class), json.dumps(memory), r["samples_trained"]))

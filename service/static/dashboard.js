@@ -1,0 +1,230 @@
+// The learner's dashboard: plain JavaScript and SVG, no dependency, no build step. It reads the
+// service's own API (status, history, memory, snapshots, predict) every few seconds, sending
+// the read token when the service asks for one.
+"use strict";
+
+const REFRESH_MS = 2000;
+const COLORS = ["#4a7bd0", "#e67e22", "#2e8b57", "#c0392b", "#8e44ad", "#16a085", "#d35400", "#2c3e50",
+                "#7f8c8d", "#b7950b"];
+const state = { token: sessionStorage.getItem("aser-token"), history: [], lastSeen: 0, memoryClass: null,
+                memorySignature: null, timer: null };
+const $ = (id) => document.getElementById(id);
+// labels are whatever devices sent: never HTML
+const esc = (text) => String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+
+// --- talking to the API ---------------------------------------------------------------------
+class Unauthorized extends Error {}
+
+async function call(path, options = {}) {
+  const headers = Object.assign({}, options.headers || {});
+  if (state.token) headers.Authorization = "Bearer " + state.token;
+  const response = await fetch(path, Object.assign({}, options, { headers }));
+  if (response.status === 401 || response.status === 403) throw new Unauthorized(response.status);
+  if (!response.ok) {
+    let detail = response.statusText;
+    try { detail = (await response.json()).detail || detail; } catch (e) { /* not JSON */ }
+    throw new Error(detail);
+  }
+  return response;
+}
+const getJSON = async (path) => (await call(path)).json();
+
+// --- the page's parts -----------------------------------------------------------------------
+function counters(st) {
+  const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
+  const items = [
+    ["samples received", st.samples_received], ["samples trained", st.samples_trained],
+    ["backlog", st.backlog], ["training steps", st.steps], ["classes", st.classes.length],
+    ["online accuracy", pct(st.online.accuracy)],
+    [`last ${st.online.window} samples`, pct(st.online.window_accuracy)],
+    ["new-class samples", st.online.new_class_samples], ["model version", st.model_version],
+    ["worker restarts", st.worker.restarts],
+  ];
+  $("counters").innerHTML = items.map(([name, value]) =>
+    `<div class="counter" data-name="${name}"><b>${value}</b><span>${name}</span></div>`).join("");
+  const ok = st.worker.alive;
+  $("state").textContent = ok ? `learning · ${st.method}` : "worker stopped";
+  $("state").className = "pill " + (ok ? "ok" : "bad");
+  $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+}
+
+function lineChart(target, series, { yMax = null, yLabel = "", xLabel = "samples trained" } = {}) {
+  const W = 600, H = 220, L = 44, R = 10, T = 10, B = 30;
+  const points = series.flatMap((s) => s.points);
+  const svg = [`<svg viewBox="0 0 ${W} ${H}" preserveAspectRatio="none">`];
+  if (points.length) {
+    const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+    const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+    const y1 = yMax ?? Math.max(...ys, 1e-9) * 1.1;
+    const X = (x) => L + (x - x0) / (x1 - x0) * (W - L - R), Y = (y) => H - B - (y / y1) * (H - T - B);
+    for (let i = 0; i <= 4; i++) {
+      const y = y1 * i / 4;
+      svg.push(`<line class="grid" x1="${L}" x2="${W - R}" y1="${Y(y)}" y2="${Y(y)}"/>`,
+               `<text x="${L - 4}" y="${Y(y) + 3}" text-anchor="end">${+y.toPrecision(3)}</text>`);
+    }
+    svg.push(`<line class="axis" x1="${L}" x2="${W - R}" y1="${H - B}" y2="${H - B}"/>`,
+             `<text x="${L}" y="${H - 8}">${x0}</text>`,
+             `<text x="${W - R}" y="${H - 8}" text-anchor="end">${x1}</text>`,
+             `<text x="${(L + W) / 2}" y="${H - 8}" text-anchor="middle">${xLabel}</text>`,
+             `<text x="10" y="${T + 4}">${yLabel}</text>`);
+    for (const s of series) {
+      if (!s.points.length) continue;
+      const d = s.points.map((p, i) => (i ? "L" : "M") + X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1)).join("");
+      svg.push(`<path d="${d}" fill="none" stroke="${s.color}" stroke-width="${s.width || 1.5}"` +
+               `${s.dash ? ' stroke-dasharray="4 3"' : ""}><title>${esc(s.name)}</title></path>`);
+    }
+  }
+  svg.push("</svg>");
+  const legend = series.map((s) => `<span><i style="background:${s.color}"></i>${esc(s.name)}</span>`).join("");
+  target.innerHTML = svg.join("") + `<div class="legend">${legend}</div>`;
+  target.dataset.points = points.length;
+}
+
+function charts(history) {
+  const labels = [...new Set(history.flatMap((p) => Object.keys(p.per_class)))];
+  lineChart($("chart-accuracy"), [
+    { name: "recent window", color: "#1d2330", width: 2.5,
+      points: history.filter((p) => p.window_accuracy !== null).map((p) => [p.samples_trained, 100 * p.window_accuracy]) },
+    { name: "cumulative", color: "#1d2330", dash: true,
+      points: history.filter((p) => p.accuracy !== null).map((p) => [p.samples_trained, 100 * p.accuracy]) },
+    ...labels.map((label, i) => ({ name: label, color: COLORS[i % COLORS.length], width: 1,
+      points: history.filter((p) => label in p.per_class).map((p) => [p.samples_trained, 100 * p.per_class[label]]) })),
+  ], { yMax: 100, yLabel: "%" });
+
+  const rate = (key) => history.slice(1).map((p, i) => {
+    const q = history[i], dt = p.at - q.at;
+    return [p.samples_trained, dt > 0 ? Math.max(0, (p[key] - q[key]) / dt) : 0];
+  });
+  lineChart($("chart-rates"), [
+    { name: "ingested / s", color: "#e67e22", points: rate("received") },
+    { name: "trained / s", color: "#4a7bd0", points: rate("samples_trained") },
+    { name: "backlog (samples)", color: "#999", dash: true, points: history.map((p) => [p.samples_trained, p.backlog]) },
+  ]);
+  lineChart($("chart-step"), [{ name: "step ms", color: "#8e44ad", points: history.map((p) => [p.samples_trained, p.step_ms]) }],
+            { yLabel: "ms" });
+}
+
+function memoryBars(st) {
+  const total = Math.max(1, ...Object.values(st.buffer));
+  $("memory-size").textContent = `${st.buffer_size} samples`;
+  $("memory-bars").innerHTML = Object.entries(st.buffer).map(([label, n]) =>
+    `<div class="bar" data-label="${esc(label)}"><span>${esc(label)}</span><div style="width:${100 * n / total}%"></div>` +
+    `<span>${n}</span></div>`).join("");
+  const select = $("memory-class"), current = select.value || state.memoryClass;
+  const labels = Object.keys(st.buffer);
+  if (labels.join() !== [...select.options].map((o) => o.value).join()) {
+    select.innerHTML = labels.map((l) => `<option value="${esc(l)}">${esc(l)}</option>`).join("");
+  }
+  if (labels.includes(current)) select.value = current;
+}
+
+async function imageURL(path) {
+  return URL.createObjectURL(await (await call(path)).blob());
+}
+
+async function memoryBrowser(force = false) {
+  const label = $("memory-class").value;
+  if (!label) return;
+  const memory = await getJSON("memory");
+  const slots = memory.slots.filter((s) => s.label === label);
+  const signature = label + "|" + slots.map((s) => `${s.slot}:${s.entered}`).join();
+  if (!force && signature === state.memorySignature) return;  // the class's slots were not rewritten
+  state.memoryClass = label;
+  state.memorySignature = signature;
+  const figures = await Promise.all(slots.map(async (s) =>
+    `<figure><img alt="${esc(label)}" src="${await imageURL(`memory/${s.slot}`)}">#${s.slot}</figure>`));
+  const box = $("memory-images");
+  box.querySelectorAll("img").forEach((img) => URL.revokeObjectURL(img.src));
+  box.innerHTML = figures.join("");
+  box.dataset.label = label;
+  box.dataset.count = slots.length;
+}
+
+async function snapshots() {
+  const { snapshots } = await getJSON("snapshots");
+  $("snapshots").querySelector("tbody").innerHTML = snapshots.slice(0, 10).map((s) =>
+    `<tr><td>${s.id}</td><td title="${esc(s.classes.join(", "))}">${s.classes.length}</td><td>${s.samples_trained}</td><td>${s.reason}</td>` +
+    `<td><a href="snapshots/${s.id}" data-file="${s.file}" class="download">download</a></td></tr>`).join("");
+}
+
+async function download(event) {
+  const link = event.target.closest("a.download");
+  if (!link) return;
+  event.preventDefault();
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(await (await call(link.getAttribute("href"))).blob());
+  a.download = link.dataset.file;
+  a.click();
+}
+
+async function predictFile(file) {
+  const data = await new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result.split(",")[1]);
+    reader.onerror = reject;
+    reader.readAsDataURL(file);
+  });
+  const out = $("predict-result");
+  try {
+    const answer = await (await call("predict", { method: "POST", headers: { "Content-Type": "application/json" },
+                                                  body: JSON.stringify({ images: [data], k: 5 }) })).json();
+    const top = answer.results[0];
+    out.innerHTML = `<img alt="query" src="data:${file.type};base64,${data}"><ol>` +
+      top.map((r) => `<li><b>${esc(r.label)}</b> ${(100 * r.probability).toFixed(1)} %</li>`).join("") + "</ol>";
+  } catch (error) {
+    if (error instanceof Unauthorized) return askForToken();
+    out.innerHTML = `<p class="error">${esc(error.message)}</p>`;
+  }
+}
+
+// --- refresh loop and login -----------------------------------------------------------------
+async function refresh() {
+  try {
+    const st = await getJSON("status");
+    $("login").hidden = true;
+    $("board").hidden = false;
+    counters(st);
+    memoryBars(st);
+    for (;;) {  // the history since the last point seen, page by page
+      const page = await getJSON(`history?since=${state.lastSeen}&limit=5000`);
+      state.history.push(...page);
+      if (page.length) state.lastSeen = page[page.length - 1].samples_trained;
+      if (page.length < 5000) break;
+    }
+    charts(state.history);
+    await Promise.all([snapshots(), memoryBrowser()]);
+  } catch (error) {
+    if (error instanceof Unauthorized) return askForToken();
+    $("state").textContent = "unreachable: " + error.message;
+    $("state").className = "pill bad";
+  }
+  state.timer = setTimeout(refresh, REFRESH_MS);
+}
+
+function askForToken() {
+  clearTimeout(state.timer);
+  $("board").hidden = true;
+  $("login").hidden = false;
+  $("state").textContent = "token needed";
+  $("state").className = "pill bad";
+  $("login-error").textContent = state.token ? "That token was refused." : "";
+}
+
+$("login").addEventListener("submit", (event) => {
+  event.preventDefault();
+  state.token = $("token").value.trim();
+  sessionStorage.setItem("aser-token", state.token);
+  refresh();
+});
+$("memory-class").addEventListener("change", () => memoryBrowser(true));
+$("snapshots").addEventListener("click", download);
+$("predict-file").addEventListener("change", (e) => e.target.files[0] && predictFile(e.target.files[0]));
+const drop = $("drop");
+drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
+drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+drop.addEventListener("drop", (e) => {
+  e.preventDefault();
+  drop.classList.remove("over");
+  if (e.dataTransfer.files[0]) predictFile(e.dataTransfer.files[0]);
+});
+refresh();

@@ -1,0 +1,115 @@
+"""The dashboard in a real browser: headless Chromium (Debian's chromium and chromium-driver,
+installed by scripts/test.sh) driven by Selenium, against a real service on loopback that learns
+from real CIFAR-10 images while the page watches."""
+
+import shutil
+import time
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from clients.api import ServiceClient
+
+from .test_online import two_classes, wait_trained
+from .test_service import Server
+
+if shutil.which("chromedriver") is None:
+    pytest.fail("chromedriver is missing: scripts/test.sh installs Debian's chromium and chromium-driver")
+
+
+def chromium(width=1400, height=1800):
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                f"--window-size={width},{height}"):
+        options.add_argument(arg)
+    options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver = chromium()
+    yield driver
+    driver.quit()
+
+
+def counter(driver, name):
+    return driver.find_element(By.CSS_SELECTOR, f'.counter[data-name="{name}"] b').text
+
+
+def wait(driver, condition, timeout=60):
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: condition(d))
+
+
+def test_dashboard_follows_a_learning_stream(browser, tmp_path):
+    server = Server(tmp_path / "svc", method="er", mem_size=40, history_every_steps=2).start()
+    try:
+        browser.get(server.url + "/")
+        wait(browser, lambda d: counter(d, "samples trained") == "0")
+        assert browser.find_element(By.ID, "login").get_attribute("hidden") is not None  # no token needed
+        # nothing comes from the internet: every script and style is the service's own
+        for element in browser.find_elements(By.CSS_SELECTOR, "script[src], link[href]"):
+            src = element.get_attribute("src") or element.get_attribute("href")
+            assert src.startswith(server.url + "/dashboard/static/"), src
+
+        samples = two_classes(150)
+        with ServiceClient(server.url) as client:
+            client.stream_samples(samples)
+            wait_trained(client, len(samples))
+        wait(browser, lambda d: counter(d, "samples trained") == "300")
+        assert counter(browser, "classes") == "2" and counter(browser, "backlog") == "0"
+        accuracy = browser.find_element(By.ID, "chart-accuracy")
+        wait(browser, lambda d: int(accuracy.get_attribute("data-points")) > 50)
+        legend = accuracy.find_element(By.CLASS_NAME, "legend").text
+        assert "airplane" in legend and "frog" in legend
+        assert int(browser.find_element(By.ID, "chart-step").get_attribute("data-points")) > 0
+        bars = {b.get_attribute("data-label") for b in browser.find_elements(By.CSS_SELECTOR, "#memory-bars .bar")}
+        assert bars == {"airplane", "frog"}
+        # a snapshot was exported when the classes appeared; its row links to the file
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#snapshots a.download"))
+
+        # the predict box: pick a real image, see the top-k
+        image = tmp_path / "frog.jpg"
+        image.write_bytes(next(data for label, data in two_classes(200)[-20:] if label == "frog"))
+        browser.find_element(By.ID, "predict-file").send_keys(str(image))
+        items = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#predict-result li"))
+        assert {li.find_element(By.TAG_NAME, "b").text for li in items} == {"airplane", "frog"}
+
+        # the memory browser: the images the memory holds for a class, as served by /memory
+        memory = httpx.get(server.url + "/memory").json()
+        Select(browser.find_element(By.ID, "memory-class")).select_by_value("frog")
+        box = browser.find_element(By.ID, "memory-images")
+        wait(browser, lambda d: box.get_attribute("data-label") == "frog")
+        images = box.find_elements(By.TAG_NAME, "img")
+        assert len(images) == memory["per_class"]["frog"]
+        wait(browser, lambda d: all(d.execute_script("return arguments[0].naturalWidth", img) == 32 for img in images))
+    finally:
+        server.stop()
+
+
+def test_dashboard_asks_for_the_read_token(browser, tmp_path):
+    server = Server(tmp_path / "svc", method="er", read_token="r-secret", write_token="w-secret").start()
+    try:
+        browser.get(server.url + "/dashboard")
+        login = wait(browser, lambda d: d.find_element(By.ID, "login") if d.find_element(By.ID, "login").is_displayed()
+                     else None)
+        assert not browser.find_element(By.ID, "board").is_displayed()
+        assert browser.find_elements(By.CSS_SELECTOR, ".counter") == []  # nothing was read
+
+        login.find_element(By.ID, "token").send_keys("wrong")
+        login.find_element(By.TAG_NAME, "button").click()
+        wait(browser, lambda d: "refused" in d.find_element(By.ID, "login-error").text)
+
+        token = login.find_element(By.ID, "token")
+        token.clear()
+        token.send_keys("r-secret")
+        login.find_element(By.TAG_NAME, "button").click()
+        wait(browser, lambda d: d.find_element(By.ID, "board").is_displayed())
+        wait(browser, lambda d: counter(d, "samples trained") == "0")
+        time.sleep(0.5)
+        assert not browser.find_element(By.ID, "login").is_displayed()
+    finally:
+        server.stop()
