@@ -24,6 +24,9 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
     return not (device.type == "cpu" and autocast_dtype == torch.bfloat16)
 
 
+FORGOTTEN_LOGIT = -1e4
+
+
 class ContinualLearner:
     name = "learner"
 
@@ -57,6 +60,7 @@ class ContinualLearner:
         self.steps = 0
         self.samples_seen = 0
         self.current_task_classes: torch.Tensor | None = None
+        self.forgotten: set[int] = set()  # classes removed on request: never predicted again
         self._folded = None  # (version, {dtype: folded f_ext}) for inference
 
     # --- the step ----------------------------------------------------------------------
@@ -68,6 +72,8 @@ class ContinualLearner:
         images, labels = images.to(self.device), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         stats = self._observe(images, labels)
+        if self.forgotten:
+            self._silence_forgotten()  # whatever the method's step did to those rows
         self.steps += 1
         self.samples_seen += images.shape[0]
         return stats
@@ -169,6 +175,23 @@ class ContinualLearner:
             self.optimizer = self._make_optimizer()
             self.version += 1
 
+    def forget_class(self, class_id: int) -> int:
+        """Forget a class: its samples leave the memory and its head output is silenced for good
+        (a label sent again later must come as a new class id). Returns the memory samples removed."""
+        self.forgotten.add(class_id)
+        self._silence_forgotten()
+        self.version += 1
+        buffer = getattr(self, "buffer", None)
+        return buffer.remove_class(class_id) if buffer is not None else 0
+
+    def _silence_forgotten(self) -> None:
+        # a logit of -1e4 gets probability exactly 0 in float32 softmax, so the row also gets no
+        # gradient; finite, so no inf - inf anywhere
+        rows = [c for c in self.forgotten if c < self.model.num_classes]
+        with torch.no_grad():
+            self.model.head.weight[rows] = 0.0
+            self.model.head.bias[rows] = FORGOTTEN_LOGIT
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters(), lr=self.lr)
 
@@ -182,6 +205,7 @@ class ContinualLearner:
             "version": self.version,
             "steps": self.steps,
             "samples_seen": self.samples_seen,
+            "forgotten": sorted(self.forgotten),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -194,3 +218,4 @@ class ContinualLearner:
         self.version = state["version"] + 1  # cached features from before the load are stale
         self.steps = state["steps"]
         self.samples_seen = state["samples_seen"]
+        self.forgotten = set(state.get("forgotten", ()))

@@ -10,6 +10,8 @@ same weights (the update after step n and the retrieval before step n+1 share we
 >>> buf.write(torch.tensor([0, 1]), torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.tensor([7, 8]))
 >>> len(buf), buf.class_counts()
 (2, {7: 1, 8: 1})
+>>> buf.remove_class(7), len(buf), buf.labels[:1].tolist()
+(1, 1, [8])
 """
 
 from __future__ import annotations
@@ -66,6 +68,24 @@ class ReplayBuffer:
     def class_counts(self) -> dict[int, int]:
         labels, counts = torch.unique(self.labels[: self.size], return_counts=True)
         return {int(c): int(n) for c, n in zip(labels.tolist(), counts.tolist())}
+
+    def remove_class(self, class_id: int) -> int:
+        """Drop every sample of a class, packing the others into the first slots; returns how
+        many were removed. Free slots are filled again by the update policies."""
+        keep = torch.nonzero(self.labels[: self.size] != class_id).squeeze(1)
+        removed, n = self.size - keep.numel(), keep.numel()
+        if removed == 0:
+            return 0
+        self.images[:n] = self.images[keep].clone()
+        self.labels[:n] = self.labels[keep].clone()
+        self.entered[:n] = self.entered[keep.cpu()].clone()
+        self.feature_version[:n] = self.feature_version[keep].clone()
+        if self.features is not None:
+            self.features[:n] = self.features[keep].clone()
+        self.labels[n:] = -1
+        self.feature_version[n:] = -1
+        self.size = n
+        return removed
 
     # --- feature cache -----------------------------------------------------------------
     def _ensure_feature_store(self, dim: int, dtype: torch.dtype) -> None:

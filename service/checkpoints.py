@@ -82,11 +82,18 @@ class CheckpointStore:
         meta = state.pop("buffer_meta", None)
         if meta is not None:
             with self.db.read() as conn:
-                rows = conn.execute("SELECT class_id, image FROM buffer ORDER BY slot").fetchall()
+                rows = conn.execute("SELECT slot, class_id, image FROM buffer ORDER BY slot").fetchall()
+            if "entered" in meta:  # the slots of a forgotten class are gone from the rows
+                meta["entered"] = meta["entered"][[r["slot"] for r in rows]]
             state["buffer"] = {**meta, "images": images_from_blobs([r["image"] for r in rows], meta["image_shape"]),
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)
         return row["trained_upto"], extra
+
+    @staticmethod
+    def forget_rows(conn, class_id: int) -> None:
+        """In the caller's transaction: the checkpoint's memory rows of a forgotten class."""
+        conn.execute("DELETE FROM buffer WHERE class_id = ?", (class_id,))
 
     def _remove_files_except(self, keep: str | None) -> None:
         """Old checkpoint files and orphans of interrupted saves."""

@@ -94,7 +94,8 @@ class OnlineAccuracy:
         return {"accuracy": self.accuracy, "window_accuracy": self.window_accuracy, "window": self.window,
                 "samples_scored": self.scored, "new_class_samples": self.new_class_samples,
                 "per_class": {classes[c]: {"accuracy": right / n, "samples": n}
-                              for c, (right, n) in self.per_class().items() if c < len(classes)}}
+                              for c, (right, n) in self.per_class().items()
+                              if c < len(classes) and classes[c] is not None}}
 
 
 @dataclass(frozen=True)

@@ -43,16 +43,16 @@ PREPROCESSING = ("RGB image resized to the input size, pixels as uint8 in NCHW o
 
 
 class PixelsToLogits(nn.Module):
-    """uint8 [n, 3, H, W] -> logits over the first `num_classes` classes, in eval mode, on a copy
-    of `model` taken now (later training steps do not reach it)."""
+    """uint8 [n, 3, H, W] -> logits over the head rows `rows` (the classes learned and not
+    forgotten), in eval mode, on a copy of `model` taken now (later training steps do not reach it)."""
 
-    def __init__(self, model: ReducedResNet18, num_classes: int):
+    def __init__(self, model: ReducedResNet18, rows: list[int]):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
-        head = nn.Linear(net.head.in_features, num_classes)
+        head = nn.Linear(net.head.in_features, len(rows))
         with torch.no_grad():
-            head.weight.copy_(net.head.weight[:num_classes])
-            head.bias.copy_(net.head.bias[:num_classes])
+            head.weight.copy_(net.head.weight[rows])
+            head.bias.copy_(net.head.bias[rows])
         net.head = head
         self.net = net
         self.eval()
@@ -85,6 +85,7 @@ class ExportJob:
     weights: dict[str, torch.Tensor]
     input_size: int
     classes: list[str]
+    rows: list[int]  # the head row of each class
     path: Path
     metadata: dict
 
@@ -93,7 +94,7 @@ def run_export(job: ExportJob) -> int:
     """Build the network from the weights, export it to job.path; returns the file's size."""
     model = ReducedResNet18(job.weights["head.weight"].shape[0], input_size=job.input_size)
     model.load_state_dict(job.weights)
-    export_onnx(PixelsToLogits(model, len(job.classes)), job.classes, job.path, job.metadata)
+    export_onnx(PixelsToLogits(model, job.rows), job.classes, job.path, job.metadata)
     return job.path.stat().st_size
 
 
@@ -183,16 +184,18 @@ class SnapshotStore:
             self.latest_classes = None
         self._thread.submit(self._run, None)  # start the process and its imports now, not at the first export
 
-    def submit(self, model: ReducedResNet18, classes: list[str], version: int, steps: int, samples: int,
+    def submit(self, model: ReducedResNet18, classes: list[str | None], version: int, steps: int, samples: int,
                reason: str) -> Future:
-        """Queue an export of `model` as it is now (the weights are copied here, between steps);
-        the future gives the snapshot's row, or raises SnapshotFailed."""
+        """Queue an export of `model` as it is now (the weights are copied here, between steps),
+        with the head rows of `classes` that are not None (forgotten); the future gives the
+        snapshot's row, or raises SnapshotFailed."""
+        rows = [i for i, label in enumerate(classes) if label is not None]
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         created = time.time()
         name = f"snapshot-{steps:09d}-v{version}-{time.time_ns()}.onnx"
         meta = {"model_version": version, "steps": steps, "samples_trained": samples, "method": self.method,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-        job = ExportJob(weights, model.input_size, list(classes), self.directory / name, meta)
+        job = ExportJob(weights, model.input_size, [classes[i] for i in rows], rows, self.directory / name, meta)
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 
@@ -232,6 +235,26 @@ class SnapshotStore:
         with self._count_lock:
             self.in_flight += in_flight
             self.failures += failures
+
+    def purge(self, forgotten: list, wait_s: float = 300.0) -> int:
+        """Remove the snapshots that hold a forgotten class: those with its label made before it
+        was forgotten (exports in flight finish first). Returns how many were removed."""
+        deadline = time.time() + wait_s
+        while self.in_flight and time.time() < deadline:
+            time.sleep(0.05)
+        with self.db.write() as conn:
+            rows = conn.execute("SELECT id, file, created, classes FROM snapshots").fetchall()
+            doomed = [r for r in rows if any(f.label in json.loads(r["classes"]) and r["created"] < f.at
+                                             for f in forgotten)]
+            conn.executemany("DELETE FROM snapshots WHERE id = ?", [(r["id"],) for r in doomed])
+        for r in doomed:  # after the commit, as in _export
+            (self.directory / r["file"]).unlink(missing_ok=True)
+        if doomed:
+            try:
+                self.latest_classes = tuple(self.latest()["classes"])
+            except NotFound:
+                self.latest_classes = None
+        return len(doomed)
 
     def list(self) -> list[dict]:
         with self.db.read() as conn:

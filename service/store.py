@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .db import Database
-from .errors import SampleIdConflict, TooManyClasses
+from .errors import NotFound, SampleIdConflict, TooManyClasses
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,16 @@ class LogEntry:
     received: float
 
 
+@dataclass(frozen=True)
+class Forgotten:
+    class_id: int
+    label: str
+    at: float  # when it was forgotten
+    samples_removed: int = 0
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS classes (id INTEGER PRIMARY KEY, name TEXT NOT NULL);
-CREATE UNIQUE INDEX IF NOT EXISTS idx_classes_name ON classes (name);
 CREATE TABLE IF NOT EXISTS samples (seq INTEGER PRIMARY KEY AUTOINCREMENT,
     class_id INTEGER NOT NULL REFERENCES classes(id), image BLOB NOT NULL, received REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine (seq INTEGER PRIMARY KEY, error TEXT NOT NULL, at REAL NOT NULL);
@@ -58,6 +66,12 @@ class IngestLog:
             if "sample_id" not in schema["samples"].columns_dict:  # databases of earlier versions
                 schema["samples"].add_column("sample_id", str)
             schema["samples"].create_index(["sample_id"], unique=True, if_not_exists=True)
+            if "forgotten" not in schema["classes"].columns_dict:
+                schema["classes"].add_column("forgotten", float)  # when a class was forgotten on request
+            # a forgotten label may come back as a new class: only live labels are unique
+            schema.execute("DROP INDEX IF EXISTS idx_classes_name")
+            schema.execute("CREATE UNIQUE INDEX IF NOT EXISTS idx_classes_live_name ON classes (name) "
+                           "WHERE forgotten IS NULL")
 
     def append(self, samples: list[NewSample], max_classes: int) -> list[Stored]:
         """Commit samples (all or none); returns each one's sequence number once durable."""
@@ -85,9 +99,32 @@ class IngestLog:
                     stored[i] = Stored(seq, duplicate=False)
         return stored
 
-    def classes(self) -> list[str]:
+    def classes(self) -> list[str | None]:
+        """The label of each class id (None for a forgotten class)."""
         with self.db.read() as conn:
-            return [r["name"] for r in conn.execute("SELECT name FROM classes ORDER BY id")]
+            return [r["name"] if r["forgotten"] is None else None
+                    for r in conn.execute("SELECT name, forgotten FROM classes ORDER BY id")]
+
+    def forget(self, label: str, also: Callable[[sqlite3.Connection, int], None] | None = None) -> Forgotten:
+        """Forget a class in one transaction: every sample of it leaves the log (trained or not),
+        the class is marked forgotten (its label is free again), and `also(conn, class_id)` removes
+        it from other tables in the same transaction. Raises NotFound for a label with no class."""
+        with self.db.write() as conn:
+            row = conn.execute("SELECT id FROM classes WHERE name = ? AND forgotten IS NULL", (label,)).fetchone()
+            if row is None:
+                raise NotFound(f"no class {label!r}")
+            at = time.time()
+            removed = conn.execute("DELETE FROM samples WHERE class_id = ?", (row["id"],)).rowcount
+            conn.execute("DELETE FROM quarantine WHERE seq NOT IN (SELECT seq FROM samples)")
+            conn.execute("UPDATE classes SET forgotten = ? WHERE id = ?", (at, row["id"]))
+            if also is not None:
+                also(conn, row["id"])
+        return Forgotten(row["id"], label, at, removed)
+
+    def forgotten(self) -> list[Forgotten]:
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT id, name, forgotten FROM classes WHERE forgotten IS NOT NULL ORDER BY id")
+            return [Forgotten(r["id"], r["name"], r["forgotten"]) for r in rows]
 
     def after(self, seq: int, limit: int) -> list[LogEntry]:
         """Up to `limit` samples with sequence number > seq, in order, without quarantined ones."""
@@ -140,7 +177,7 @@ def _class_ids(conn: sqlite3.Connection, labels: list[str], max_classes: int) ->
     """The class id of each label, creating the ones never seen in the order given."""
     ids = {}
     for name in labels:
-        row = conn.execute("SELECT id FROM classes WHERE name = ?", (name,)).fetchone()
+        row = conn.execute("SELECT id FROM classes WHERE name = ? AND forgotten IS NULL", (name,)).fetchone()
         if row is not None:
             ids[name] = row["id"]
     new = [n for n in labels if n not in ids]

@@ -37,7 +37,7 @@ from .metrics import Metrics
 from .online import History, HistoryPoint, OnlineAccuracy
 from .settings import Settings
 from .snapshots import SnapshotStore
-from .store import IngestLog, LogEntry, images_from_blobs
+from .store import Forgotten, IngestLog, LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
 
@@ -52,7 +52,7 @@ class Predictor:
     features: object
     head_weight: torch.Tensor
     head_bias: torch.Tensor
-    classes: tuple[str, ...]
+    classes: tuple[str | None, ...]  # by class id; None: forgotten
     version: int
     steps: int
     samples_trained: int
@@ -65,6 +65,11 @@ class Predictor:
         n = min(len(classes), head.out_features)
         return cls(learner.inference_features(), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
                    tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The classes it answers (learned, not forgotten)."""
+        return tuple(c for c in self.classes if c is not None)
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -108,6 +113,7 @@ class LearnerWorker:
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
         self.history = History(db)
         self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._forget_requests: queue.SimpleQueue = queue.SimpleQueue()
         self.restarts = 0
         self.last_error: str | None = None
         self.checkpoint_failures = 0
@@ -150,6 +156,11 @@ class LearnerWorker:
         learner = self._build_learner()
         self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
         self.online = OnlineAccuracy.from_state(extra.get("online"), self.settings.online_window)
+        forgotten = self.store.forgotten()
+        for f in forgotten:  # a crash may have come between the forgetting and the next checkpoint
+            learner.forget_class(f.class_id)
+            self.online.forget_class(f.class_id)
+        self.snapshots.purge(forgotten)
         self.learner = learner
         self.checkpointed_steps = self._last_checkpoint_try = self._last_snapshot = learner.steps
         self.consistent = True
@@ -160,6 +171,7 @@ class LearnerWorker:
         try:
             while not self._stop.is_set():
                 try:
+                    self._serve_forget_requests()
                     self._serve_snapshot_requests()
                     if self.train_available():
                         failures_in_a_row = 0
@@ -244,8 +256,10 @@ class LearnerWorker:
             new_class_samples=self.online.new_class_samples, loss=None if loss is None else float(loss),
             step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
             backlog=self.store.pending(self.trained_upto),
-            per_class={classes[c]: right / n for c, (right, n) in self.online.per_class().items() if c < len(classes)},
-            memory={classes[c]: n for c, n in self.memory.class_counts().items() if c < len(classes)})
+            per_class={classes[c]: right / n for c, (right, n) in self.online.per_class().items()
+                       if c < len(classes) and classes[c] is not None},
+            memory={classes[c]: n for c, n in self.memory.class_counts().items()
+                    if c < len(classes) and classes[c] is not None})
         try:
             self.history.add(point)
         except Exception:
@@ -293,6 +307,32 @@ class LearnerWorker:
         self.checkpointed_steps = self._last_checkpoint_try = self.learner.steps
         return True
 
+    # --- forgetting a class -------------------------------------------------------------
+    def forget(self, label: str) -> tuple[Forgotten, Future]:
+        """Forget a class: durably first (log, memory rows, in one transaction), then in the
+        learner between two steps; the future is done when the live model has forgotten it."""
+        forgotten = self.store.forget(label, also=self.checkpoints.forget_rows)
+        applied: Future = Future()
+        self._forget_requests.put((forgotten, applied))
+        self.wakeup.set()
+        return forgotten, applied
+
+    def _serve_forget_requests(self) -> None:
+        while not self._forget_requests.empty():
+            forgotten, applied = self._forget_requests.get()
+            try:
+                removed = self.learner.forget_class(forgotten.class_id)
+                self.online.forget_class(forgotten.class_id)
+                self.publish()
+                self.checkpoint()
+                self.history.forget_label(forgotten.label)
+                self.snapshots.purge(self.store.forgotten())
+                self._maybe_snapshot()
+                applied.set_result(removed)
+            except Exception as exc:  # durable already: a restart applies it from the log
+                applied.set_exception(exc)
+                raise
+
     # --- snapshots ---------------------------------------------------------------------
     def request_snapshot(self) -> Future:
         """Export the model as it is after the step in progress; the future gives the snapshot row."""
@@ -304,7 +344,7 @@ class LearnerWorker:
     def _serve_snapshot_requests(self) -> None:
         while not self._snapshot_requests.empty():
             answer = self._snapshot_requests.get()
-            if not self.predictor.classes:
+            if not self.predictor.labels:
                 answer.set_exception(NoClassesYet("the model has not learned any class yet"))
                 continue
             self._snapshot("request").add_done_callback(lambda done, answer=answer: _relay(done, answer))
@@ -315,7 +355,7 @@ class LearnerWorker:
         every = self.settings.snapshot_every_steps
         if not every or self.snapshots.in_flight:
             return
-        new_classes = self.predictor.classes != self.snapshots.latest_classes
+        new_classes = self.predictor.labels != self.snapshots.latest_classes
         if new_classes or self.learner.steps - self._last_snapshot >= every:
             self._snapshot("new classes" if new_classes else "periodic")
 

@@ -11,7 +11,8 @@ SCHEMATHESIS_HOOKS=tests.schemathesis_hooks):
   per image, and `id` fields, if any, one per image. The same filter drops positive multipart cases whose
   labels break the schema's own label rule: schemathesis's coverage phase builds one such
   "example" for multipart bodies with an `encoding` and would count it as valid data. And it
-  drops the negative multipart cases a form cannot carry: a number or null in a text part.
+  drops the negative multipart cases a form cannot carry: a number or null in a text part is
+  text (`null` is a good label).
 """
 
 from __future__ import annotations
@@ -70,22 +71,23 @@ def as_list(value) -> list:
 
 
 def as_form_text(values: list) -> list | None:
-    """Scalars as a form part carries them (text; a null part is left out); None if some value
-    is not a scalar at all."""
+    """Scalars as schemathesis writes them into form parts (JSON text: null becomes "null"); None
+    if some value is not a scalar at all."""
     if any(isinstance(v, (dict, list)) for v in values):
         return None
-    return [v if isinstance(v, str) else json.dumps(v) for v in values if v is not None]
+    return [v if isinstance(v, str) else json.dumps(v) for v in values]
 
 
 @schemathesis.hook
 def filter_case(ctx, case) -> bool:
     """Drop multipart cases that break the rules above when meant as valid, and those meant as
-    invalid that a form cannot make invalid: a number or a null in a text part arrives as text
-    (or not at all), which may be a perfectly good label or id."""
+    invalid that a form cannot make invalid: a number or a null in a text part arrives as text,
+    which may be a perfectly good label or id."""
     body, meta = case.body, case.meta
     if not (case.media_type or "").startswith("multipart/") or not isinstance(body, dict) or "label" not in body:
         return True
-    labels, ids = as_form_text(as_list(body["label"])), as_form_text(as_list(body.get("id")))
+    present = {key: [body[key]] if body[key] is None else as_list(body[key]) for key in ("label", "id") if key in body}
+    labels, ids = as_form_text(present["label"]), as_form_text(present.get("id", []))
     images = as_list(body.get("image"))
     valid = (labels is not None and ids is not None and len(images) > 0
              and all(re.match(LABEL_PATTERN, x) for x in labels)

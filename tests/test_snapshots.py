@@ -19,7 +19,7 @@ def test_onnx_logits_match_pytorch_on_real_images(cifar10_slice, tmp_path):
         if i == 30:
             break
     classes = data.class_names
-    export_onnx(PixelsToLogits(learner.model, len(classes)), classes, tmp_path / "m.onnx",
+    export_onnx(PixelsToLogits(learner.model, list(range(len(classes)))), classes, tmp_path / "m.onnx",
                 {"model_version": learner.version})
     clf = OnnxClassifier(tmp_path / "m.onnx")
     assert clf.labels == classes and clf.input_shape == (3, 32, 32) and clf.model_version == learner.version

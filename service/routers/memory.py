@@ -1,10 +1,13 @@
-"""The replay memory as the learner holds it: what is in it, and each stored image."""
+"""The replay memory as the learner holds it (what is in it, each stored image), and forgetting
+a class on request."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 
 from fastapi import APIRouter, Path, Request, Response
+from starlette.concurrency import run_in_threadpool
 from PIL import Image
 from pydantic import BaseModel, Field
 
@@ -31,6 +34,14 @@ class Memory(BaseModel):
     slots: list[Slot]
 
 
+class ForgottenClass(BaseModel):
+    label: str
+    class_id: int
+    samples_removed: int = Field(description="samples of the class deleted from the ingest log")
+    memory_removed: int | None = Field(description="samples removed from the replay memory (None: the live "
+                                       "learner had not applied it in time; it is durable and applied soon)")
+
+
 def png(view: MemoryView, slot: int) -> bytes:
     if slot >= len(view.class_ids):
         raise NotFound(f"no sample in memory slot {slot} (the memory holds {len(view.class_ids)})")
@@ -49,9 +60,11 @@ def router(settings: Settings) -> APIRouter:
         worker = request.app.state.runtime.worker
         view, classes = worker.memory, worker.predictor.classes
         slots = [{"slot": i, "label": classes[c], "entered": e}
-                 for i, (c, e) in enumerate(zip(view.class_ids, view.entered)) if c < len(classes)]
+                 for i, (c, e) in enumerate(zip(view.class_ids, view.entered))
+                 if c < len(classes) and classes[c] is not None]
         return {"capacity": settings.mem_size, "size": len(view.class_ids), "model_version": worker.predictor.version,
-                "per_class": {classes[c]: n for c, n in view.class_counts().items() if c < len(classes)},
+                "per_class": {classes[c]: n for c, n in view.class_counts().items()
+                              if c < len(classes) and classes[c] is not None},
                 "slots": slots}
 
     @api.get("/memory/{slot}", response_class=Response, dependencies=[require(settings, "read")],
@@ -61,5 +74,19 @@ def router(settings: Settings) -> APIRouter:
         """The image a memory slot holds, as PNG."""
         data = png(request.app.state.runtime.worker.memory, int(slot))
         return Response(data, media_type="image/png", headers={"Cache-Control": "no-cache"})
+
+    @api.delete("/classes/{label:path}", response_model=ForgottenClass, dependencies=[require(settings, "admin")],
+                responses=error_responses(401, 403, 404, 422))
+    async def forget_class(request: Request, label: str):
+        """Forget a class for good: every sample of it leaves the ingest log (trained or not) and
+        the replay memory, the model stops predicting it, snapshots holding it are deleted, and
+        a restart never brings it back. The label sent again later starts a new class."""
+        forgotten, applied = await run_in_threadpool(request.app.state.runtime.worker.forget, label)
+        try:
+            removed = await asyncio.wait_for(asyncio.wrap_future(applied), timeout=settings.snapshot_timeout_s)
+        except Exception:  # durable already; the worker applies it after its restart or in a moment
+            removed = None
+        return {"label": label, "class_id": forgotten.class_id, "samples_removed": forgotten.samples_removed,
+                "memory_removed": removed}
 
     return api

@@ -93,9 +93,10 @@ def status(rt: Runtime) -> dict:
         "samples_trained": p.samples_trained,
         "trained_upto": p.trained_upto,
         "backlog": store.pending(p.trained_upto),
-        "classes": classes,
+        "classes": [c for c in classes if c is not None],
         "online": worker.online.summary(classes),
-        "buffer": {classes[c]: n for c, n in worker.memory.class_counts().items() if c < len(classes)},
+        "buffer": {classes[c]: n for c, n in worker.memory.class_counts().items()
+                   if c < len(classes) and classes[c] is not None},
         "buffer_size": len(worker.memory.class_ids),
         "model_version": p.version,
         "steps": p.steps,

@@ -48,16 +48,18 @@ def decode_many(blobs: list[bytes], settings: Settings) -> torch.Tensor:
 
 
 def top_k(probs: torch.Tensor, classes, k: int) -> list[list[dict]]:
-    """[n, classes] probabilities -> per image the k most likely labels with their probabilities."""
-    top = torch.topk(probs, min(k, probs.shape[1]), dim=1)
-    return [[{"label": classes[int(c)], "probability": round(float(p), 6)} for p, c in zip(ps, cs)]
+    """[n, classes] probabilities -> per image the k most likely labels with their probabilities
+    (a forgotten class, None in `classes`, is never one of them)."""
+    live = [i for i, label in enumerate(classes) if label is not None]
+    top = torch.topk(probs[:, live], min(k, len(live)), dim=1)
+    return [[{"label": classes[live[int(c)]], "probability": round(float(p), 6)} for p, c in zip(ps, cs)]
             for ps, cs in zip(top.values, top.indices)]
 
 
 def predict(worker: LearnerWorker, blobs: list[bytes], k: int, settings: Settings) -> dict:
     images = decode_many(blobs, settings)
     predictor = worker.predictor  # one consistent model for the whole request
-    if not predictor.classes:
+    if not predictor.labels:
         raise NoClassesYet("the model has not learned any class yet")
     return {"model_version": predictor.version, "steps": predictor.steps,
             "results": top_k(predictor.probabilities(images), predictor.classes, min(k, settings.max_top_k))}
