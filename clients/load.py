@@ -7,8 +7,9 @@ temporary data directory, or uses --url. Then:
    reports acknowledged samples/s and, over the same window, samples/s trained (the ingest
    must outrun the learner: the backlog grows).
 2. predict under training: with the backlog keeping the learner busy, `--predict-clients`
-   threads send single-image GET /predict for `--seconds`; reports p50/p90/p99/max latency,
-   and the training steps taken meanwhile (proof that training ran).
+   threads (several counts: one phase each) send single-image GET /predict for `--seconds`;
+   reports predictions/s, p50/p90/p99/max latency, and the training steps taken meanwhile
+   (proof that training ran). Concurrent predictions share forward passes (micro-batching).
 
     python -m clients.load --data ../shared/datasets/cifar10-jpeg.zip --out results/load-cpu.json
 """
@@ -112,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=2000, help="distinct real images to cycle through")
     p.add_argument("--ingest-clients", type=int, default=4)
     p.add_argument("--ingest-batch", type=int, default=10, help="samples per POST /samples")
-    p.add_argument("--predict-clients", type=int, default=1)
+    p.add_argument("--predict-clients", type=int, nargs="+", default=[1],
+                   help="concurrent predict clients; several values run one phase each")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
     p.add_argument("--out", default="results/load-cpu.json")
+    p.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a setting of the started service")
     args = p.parse_args(argv)
 
     samples = real_jpegs(Path(args.data), args.samples)
@@ -123,12 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if url is None:
             tmp = tempfile.TemporaryDirectory()
-            proc = LocalService(tmp.name, {"ASER_SNAPSHOT_EVERY_STEPS": "0"}).start()
+            env = dict(item.split("=", 1) for item in args.env)
+            proc = LocalService(tmp.name, {"ASER_SNAPSHOT_EVERY_STEPS": "0", **env}).start()
             url = proc.url
         ingest = ingest_phase(url, samples, args.ingest_clients, args.ingest_batch, args.seconds)
         print(json.dumps({"ingest": ingest}))
-        predict = predict_phase(url, samples, args.predict_clients, args.seconds)
-        print(json.dumps({"predict": predict}))
+        predict = []
+        for clients in args.predict_clients:
+            predict.append(predict_phase(url, samples, clients, args.seconds))
+            print(json.dumps({"predict": predict[-1]}))
         final = ServiceClient(url).status()
     finally:
         if proc is not None:

@@ -1,7 +1,8 @@
 """Predict from a downloaded ONNX snapshot with onnxruntime alone (no torch, no service).
 
 The snapshot's metadata says everything needed: class labels in output order, input size,
-pixel layout. Images of any size are converted to RGB and resized to the input size.
+pixel layout (the format is `learner.snapshot_format`'s; importing it does not load
+torch). Images of any size are converted to RGB and resized to the input size.
 
     python -m clients.onnx_client snapshot.onnx photo1.jpg photo2.png --k 3
     python -m clients.onnx_client --url http://127.0.0.1:8000 photo.jpg   # downloads the latest
@@ -15,25 +16,20 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from PIL import Image
 
+from learner.snapshot_format import OnnxSnapshot, top_k
 
-class OnnxClassifier:
+
+class OnnxClassifier(OnnxSnapshot):
     """An ONNX snapshot ready to answer: `predict(images)` -> top-k labels with probabilities."""
 
     def __init__(self, model: str | Path | bytes, threads: int | None = None):
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        source = model if isinstance(model, bytes) else str(model)
-        self.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-        meta = self.session.get_modelmeta().custom_metadata_map
-        self.metadata = meta
-        self.labels: list[str] = json.loads(meta["labels"])
-        self.input_shape: tuple[int, int, int] = tuple(json.loads(meta["input_shape"]))
-        self.input_name = meta.get("input_name", self.session.get_inputs()[0].name)
-        self.model_version = int(meta["model_version"]) if "model_version" in meta else None
+        super().__init__(model, threads)
+        self.labels: list[str] = self.info.labels
+        self.input_shape: tuple[int, int, int] = self.info.input_shape
+        self.model_version = self.info.model_version
+        self.metadata = self.info.metadata
 
     @classmethod
     def from_service(cls, url: str, snapshot: str = "latest", token: str | None = None, **kwargs) -> "OnnxClassifier":
@@ -59,20 +55,8 @@ class OnnxClassifier:
             out.append(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
         return np.ascontiguousarray(np.stack(out))
 
-    def logits(self, pixels: np.ndarray) -> np.ndarray:
-        """uint8 [n, 3, H, W] -> logits [n, classes]."""
-        return self.session.run(None, {self.input_name: pixels})[0]
-
-    def probabilities(self, pixels: np.ndarray) -> np.ndarray:
-        z = self.logits(pixels).astype(np.float64)
-        z = np.exp(z - z.max(axis=1, keepdims=True))
-        return z / z.sum(axis=1, keepdims=True)
-
     def predict(self, images, k: int = 3) -> list[list[dict]]:
-        probs = self.probabilities(self.pixels(images))
-        top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-        return [[{"label": self.labels[c], "probability": round(float(p[c]), 6)} for c in row]
-                for p, row in zip(probs, top)]
+        return top_k(self.probabilities(self.pixels(images)), self.labels, k)
 
 
 def main(argv: list[str] | None = None) -> int:

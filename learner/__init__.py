@@ -1,21 +1,27 @@
 """ASER and the baselines of "Online Class-Incremental Continual Learning with Adversarial
-Shapley Value" (Shim, Mai et al., AAAI 2021), as an online, one-batch-at-a-time learner."""
+Shapley Value" (Shim, Mai et al., AAAI 2021), as an online, one-batch-at-a-time learner.
 
-from .base import ContinualLearner
-from .buffer import ReplayBuffer
-from .metrics import average_accuracy, average_forgetting
-from .methods import METHODS, PAPER_SETTINGS, make_learner
-from .model import ReducedResNet18
-from .shapley import knn_shapley
+The names below load their modules (and torch) on first use, so that torch-free modules of
+the package (`learner.snapshot_format`) can be imported without torch.
+"""
 
-__all__ = [
-    "ContinualLearner",
-    "ReplayBuffer",
-    "ReducedResNet18",
-    "knn_shapley",
-    "make_learner",
-    "METHODS",
-    "PAPER_SETTINGS",
-    "average_accuracy",
-    "average_forgetting",
-]
+from importlib import import_module
+
+_HOMES = {
+    "ContinualLearner": ".base",
+    "ReplayBuffer": ".buffer",
+    "ReducedResNet18": ".model",
+    "knn_shapley": ".shapley",
+    "make_learner": ".methods",
+    "METHODS": ".methods",
+    "PAPER_SETTINGS": ".methods",
+    "average_accuracy": ".metrics",
+    "average_forgetting": ".metrics",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'learner' has no attribute {name!r}")
+    return getattr(import_module(_HOMES[name], __name__), name)

@@ -17,6 +17,8 @@ class Metrics:
                                     buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2), registry=r)
         self.predict_latency = Histogram("aser_predict_seconds", "Latency of predictions (decode + model)",
                                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=r)
+        self.predict_batch = Histogram("aser_predict_batch_images", "Images per shared prediction forward pass",
+                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024), registry=r)
         self.worker_restarts = Counter("aser_worker_restarts", "Restarts of the learner from the last checkpoint "
                                        "after a failed step", registry=r)
         self.checkpoint_failures = Counter("aser_checkpoint_failures", "Checkpoints that could not be written",

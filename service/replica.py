@@ -19,12 +19,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from clients.onnx_client import OnnxClassifier
+from learner.snapshot_format import OnnxSnapshot, top_k
 
 from .errors import NoSnapshotYet
 from .inputs import decode_base64
@@ -32,7 +31,7 @@ from .metrics import Metrics
 from .routers.auth import require
 from .routers.bodies import BodyModels
 from .routers.errors import BodyLimit, install_error_handlers
-from .routers.predict import IMAGE_QUERY, K_QUERY, decode_many, predict_request_images, top_k
+from .routers.predict import IMAGE_QUERY, K_QUERY, decode_many, predict_request_images
 from .settings import Settings
 
 log = logging.getLogger("aser.replica")
@@ -41,7 +40,7 @@ log = logging.getLogger("aser.replica")
 @dataclass(frozen=True)
 class LoadedSnapshot:
     id: int
-    classifier: OnnxClassifier
+    classifier: OnnxSnapshot
     settings: Settings  # the image size follows the snapshot's input shape
 
 
@@ -67,14 +66,15 @@ class SnapshotFollower:
             latest = snapshots[-1]["id"]
             body = self.http.get(f"/snapshots/{latest}")
             body.raise_for_status()
-            clf = OnnxClassifier(body.content, threads=self.settings.replica_threads or None)
+            clf = OnnxSnapshot(body.content, threads=self.settings.replica_threads or None)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning("snapshot refresh failed: %s", self.last_error)
             return False
-        self.current = LoadedSnapshot(latest, clf, self.settings.model_copy(update={"image_size": clf.input_shape[1]}))
+        image_size = clf.info.input_shape[1]
+        self.current = LoadedSnapshot(latest, clf, self.settings.model_copy(update={"image_size": image_size}))
         self.last_error = None
-        log.info("serving snapshot %d (model version %s)", latest, clf.model_version)
+        log.info("serving snapshot %d (model version %s)", latest, clf.info.model_version)
         return True
 
 
@@ -105,9 +105,9 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
         if snap is None:
             raise NoSnapshotYet("no snapshot loaded yet")
         pixels = decode_many(blobs, snap.settings).numpy()
-        probs = torch.from_numpy(snap.classifier.probabilities(pixels))
-        return {"snapshot_id": snap.id, "model_version": snap.classifier.model_version,
-                "results": top_k(probs, snap.classifier.labels, min(k, settings.max_top_k))}
+        probs = snap.classifier.probabilities(pixels)
+        return {"snapshot_id": snap.id, "model_version": snap.classifier.info.model_version,
+                "results": top_k(probs, snap.classifier.info.labels, min(k, settings.max_top_k))}
 
     @app.get("/predict", dependencies=[require(settings, "read")])
     async def get_predict(image: str = IMAGE_QUERY, k: int = K_QUERY):
@@ -137,8 +137,8 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
     async def status():
         snap = follower.current
         return {"source": settings.replica_source, "snapshot_id": snap and snap.id,
-                "model_version": snap and snap.classifier.model_version,
-                "classes": snap.classifier.labels if snap else [], "last_error": follower.last_error,
+                "model_version": snap and snap.classifier.info.model_version,
+                "classes": snap.classifier.info.labels if snap else [], "last_error": follower.last_error,
                 "uptime_s": round(time.time() - app.state.started, 1)}
 
     @app.get("/metrics", dependencies=[require(settings, "read")])

@@ -1,11 +1,12 @@
-"""The parts of one running learner service, apart from HTTP: the database, the ingest log
-and the learner worker. `service.app` opens one at start-up and closes it at shutdown."""
+"""The parts of one running learner service, apart from HTTP: the database, the ingest log,
+the learner worker and the prediction batcher. `service.app` opens one at start-up and closes it at shutdown."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from .batching import PredictBatcher
 from .db import Database
 from .metrics import Metrics
 from .settings import Settings
@@ -20,6 +21,7 @@ class Runtime:
     db: Database
     store: IngestLog
     worker: LearnerWorker
+    batcher: PredictBatcher
     started: float = field(default_factory=time.time)
 
     @classmethod
@@ -28,8 +30,11 @@ class Runtime:
         store = IngestLog(db, (3, settings.image_size, settings.image_size))
         worker = LearnerWorker(settings, db, store, metrics)
         worker.start()
-        return cls(settings, metrics, db, store, worker)
+        batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
+                                 settings.predict_max_batch, on_batch=metrics.predict_batch.observe)
+        return cls(settings, metrics, db, store, worker, batcher)
 
     def close(self) -> None:
+        self.batcher.close()
         self.worker.stop()
         self.db.close()

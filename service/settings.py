@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
     snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps and whenever "
                                       "the model has learned a new class (0: only on request)")
+    predict_batch_wait_ms: float = Field(1.0, ge=0, le=1000, description="how long a prediction waits for "
+                                         "others to share its forward pass (micro-batching)")
+    predict_max_batch: int = Field(256, ge=1, description="images per shared forward pass at most")
     online_window: int = Field(1000, ge=1, description="samples in the sliding window of online accuracy")
     history_every_steps: int = Field(10, ge=1, description="store a point of the history every N training steps")
     snapshot_timeout_s: float = Field(120.0, gt=0)

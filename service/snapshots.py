@@ -1,9 +1,9 @@
 """ONNX snapshots of the learner's model, for inference clients that need nothing else.
 
 A snapshot is the eval-mode network from uint8 RGB pixels to logits (the scaling to [0, 1]
-is inside the graph), with the head cut to the classes it has learned. Its metadata carries
-the class labels in output order, the input shape and the preprocessing, so
-`clients.onnx_client` predicts from the file alone. Files are written under a temporary name,
+is inside the graph), with the head cut to the classes it has learned (and not forgotten). Its format (graph I/O,
+metadata keys) is `learner.snapshot_format`'s, so `clients.onnx_client` and the replica predict
+from the file alone. Files are written under a temporary name,
 fsynced and renamed, then recorded in the `snapshots` table; a crash leaves no half file listed.
 
 The export runs in a separate, long-lived process (spawned, so it shares no interpreter state
@@ -31,16 +31,13 @@ import torch
 from torch import nn
 
 from learner.model import ReducedResNet18, scale_pixels
+from learner.snapshot_format import INPUT_NAME, OUTPUT_NAME, metadata_props
 
 from .db import Database
 from .durable import replace_durably
 from .errors import NotFound, SnapshotFailed
 
 log = logging.getLogger("aser.snapshots")
-
-PREPROCESSING = ("RGB image resized to the input size, pixels as uint8 in NCHW order; the graph scales them "
-                 "to [0, 1] itself. Outputs are logits; softmax gives class probabilities.")
-
 
 class PixelsToLogits(nn.Module):
     """uint8 [n, 3, H, W] -> logits over the head rows `rows` (the classes learned and not
@@ -66,13 +63,9 @@ def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: d
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # the exporter's registry chatter
     size = net.net.input_size
     example = torch.zeros(2, 3, size, size, dtype=torch.uint8)
-    program = torch.onnx.export(net, (example,), dynamo=True, input_names=["pixels"], output_names=["logits"],
+    program = torch.onnx.export(net, (example,), dynamo=True, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                                 dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), verbose=False)
-    props = {"labels": json.dumps(classes), "input_name": "pixels", "input_shape": json.dumps([3, size, size]),
-             "input_dtype": "uint8", "color": "RGB", "layout": "NCHW", "output_name": "logits",
-             "preprocessing": PREPROCESSING, **{k: json.dumps(v) if not isinstance(v, str) else v
-                                               for k, v in metadata.items()}}
-    program.model.metadata_props.update(props)
+    program.model.metadata_props.update(metadata_props(classes, size, metadata))
     tmp = path.with_suffix(".onnx.tmp")
     program.save(tmp)
     replace_durably(tmp, path)

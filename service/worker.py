@@ -71,6 +71,9 @@ class Predictor:
         """The classes it answers (learned, not forgotten)."""
         return tuple(c for c in self.classes if c is not None)
 
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return self.probabilities(images)
+
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             logits = torch.nn.functional.linear(self.features(scale_pixels(images)), self.head_weight, self.head_bias)
@@ -91,7 +94,8 @@ class MemoryView:
         if buffer is None:
             return cls((), (), torch.zeros(0, dtype=torch.uint8))
         n = buffer.size
-        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()), buffer.images[:n].cpu().clone())
+        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()),
+                   buffer.images[:n].cpu().clone())
 
     def class_counts(self) -> dict[int, int]:
         return dict(sorted(Counter(self.class_ids).items()))
@@ -147,8 +151,8 @@ class LearnerWorker:
     def _build_learner(self) -> ContinualLearner:
         s = self.settings
         return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
-                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, step=s.step, loss=s.loss, device=self.device,
-                            seed=s.seed, image_shape=self.image_shape,
+                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, step=s.step, loss=s.loss,
+                            device=self.device, seed=s.seed, image_shape=self.image_shape,
                             latent_dtype=torch.bfloat16 if s.latent_bf16 else None)
 
     def _load(self) -> None:

@@ -7,9 +7,9 @@ import asyncio
 import io
 
 from fastapi import APIRouter, Path, Request, Response
-from starlette.concurrency import run_in_threadpool
 from PIL import Image
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import NotFound
 from ..settings import Settings

@@ -7,10 +7,12 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from learner.snapshot_format import top_k
+
 from ..errors import NoClassesYet
 from ..inputs import InputError, decode_base64, decode_image
+from ..runtime import Runtime
 from ..settings import Settings
-from ..worker import LearnerWorker
 from .auth import require
 from .bodies import BodyModels, content_kind, read_form
 from .errors import error_responses
@@ -47,22 +49,14 @@ def decode_many(blobs: list[bytes], settings: Settings) -> torch.Tensor:
     return torch.stack(images)
 
 
-def top_k(probs: torch.Tensor, classes, k: int) -> list[list[dict]]:
-    """[n, classes] probabilities -> per image the k most likely labels with their probabilities
-    (a forgotten class, None in `classes`, is never one of them)."""
-    live = [i for i, label in enumerate(classes) if label is not None]
-    top = torch.topk(probs[:, live], min(k, len(live)), dim=1)
-    return [[{"label": classes[live[int(c)]], "probability": round(float(p), 6)} for p, c in zip(ps, cs)]
-            for ps, cs in zip(top.values, top.indices)]
-
-
-def predict(worker: LearnerWorker, blobs: list[bytes], k: int, settings: Settings) -> dict:
+def predict(runtime: Runtime, blobs: list[bytes], k: int, settings: Settings) -> dict:
     images = decode_many(blobs, settings)
-    predictor = worker.predictor  # one consistent model for the whole request
-    if not predictor.labels:
+    if not runtime.worker.predictor.labels:
         raise NoClassesYet("the model has not learned any class yet")
+    # one forward pass with the requests arriving meanwhile, one model for all of them
+    predictor, probs = runtime.batcher.run(images)
     return {"model_version": predictor.version, "steps": predictor.steps,
-            "results": top_k(predictor.probabilities(images), predictor.classes, min(k, settings.max_top_k))}
+            "results": top_k(probs.numpy(), predictor.classes, min(k, settings.max_top_k))}
 
 
 async def predict_request_images(request: Request, models: BodyModels) -> tuple[list[bytes], int | None]:
@@ -82,8 +76,7 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
         """The top-k labels of one image passed in the query (small images)."""
         metrics = request.app.state.metrics
         with metrics.predict_latency.time():
-            answer = await run_in_threadpool(predict, request.app.state.runtime.worker, [decode_base64(image)], k,
-                                             settings)
+            answer = await run_in_threadpool(predict, request.app.state.runtime, [decode_base64(image)], k, settings)
         return {"model_version": answer["model_version"], "steps": answer["steps"], "top": answer["results"][0]}
 
     @api.post("/predict", response_model=Predictions, dependencies=[require(settings, "read")],
@@ -92,6 +85,6 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
         """The top-k labels of one or many images: JSON (`{images: [...], k?}`) or multipart files."""
         blobs, k_body = await predict_request_images(request, models)
         with request.app.state.metrics.predict_latency.time():
-            return await run_in_threadpool(predict, request.app.state.runtime.worker, blobs, k_body or k, settings)
+            return await run_in_threadpool(predict, request.app.state.runtime, blobs, k_body or k, settings)
 
     return api
