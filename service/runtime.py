@@ -35,6 +35,5 @@ class Runtime:
         return cls(settings, metrics, db, store, worker, batcher)
 
     def close(self) -> None:
-        self.batcher.close()
         self.worker.stop()
         self.db.close()
