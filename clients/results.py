@@ -75,9 +75,13 @@ def summary_table(groups: dict[tuple, list[dict]]) -> str:
             return [r[key] for r in rs if r.get(key) is not None]
 
         secs = sum(r["train_seconds"] for r in rs) / len(rs)
-        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {fmt(values('average_accuracy'))} | "
-                     f"{fmt(values('average_forgetting'))} | {fmt(values('average_accuracy_ncm'))} | "
-                     f"{fmt(values('average_forgetting_ncm'))} | {secs:.0f} |")
+        def cell(key):  # a column some runs lack (NCM, before it existed) says over how many
+            vs = values(key)
+            return fmt(vs) + (f" (n={len(vs)})" if vs and len(vs) < len(rs) else "")
+
+        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {cell('average_accuracy')} | "
+                     f"{cell('average_forgetting')} | {cell('average_accuracy_ncm')} | "
+                     f"{cell('average_forgetting_ncm')} | {secs:.0f} |")
     return "\n".join(lines) + "\n\nMean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory.\n"
 
 
