@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -40,8 +41,11 @@ def counter(driver, name):
     return driver.find_element(By.CSS_SELECTOR, f'.counter[data-name="{name}"] b').text
 
 
-def wait(driver, condition, timeout=60):
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: condition(d))
+def wait(driver, condition, timeout=90):
+    # the page re-renders its parts every refresh: an element found a moment ago may be gone
+    return WebDriverWait(driver, timeout, poll_frequency=0.2,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+                         ).until(lambda d: condition(d))
 
 
 def test_dashboard_follows_a_learning_stream(browser, tmp_path):
@@ -63,11 +67,12 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         assert counter(browser, "classes") == "2" and counter(browser, "backlog") == "0"
         accuracy = browser.find_element(By.ID, "chart-accuracy")
         wait(browser, lambda d: int(accuracy.get_attribute("data-points")) > 50)
-        legend = accuracy.find_element(By.CLASS_NAME, "legend").text
+        legend = browser.execute_script("return document.querySelector('#chart-accuracy .legend').innerText")
         assert "airplane" in legend and "frog" in legend
         assert int(browser.find_element(By.ID, "chart-step").get_attribute("data-points")) > 0
-        bars = {b.get_attribute("data-label") for b in browser.find_elements(By.CSS_SELECTOR, "#memory-bars .bar")}
-        assert bars == {"airplane", "frog"}
+        bars = browser.execute_script("return [...document.querySelectorAll('#memory-bars .bar')]"
+                                      ".map(b => b.dataset.label)")
+        assert set(bars) == {"airplane", "frog"}
         # a snapshot was exported when the classes appeared; its row links to the file
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#snapshots a.download"))
 
@@ -75,17 +80,18 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         image = tmp_path / "frog.jpg"
         image.write_bytes(next(data for label, data in two_classes(200)[-20:] if label == "frog"))
         browser.find_element(By.ID, "predict-file").send_keys(str(image))
-        items = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#predict-result li"))
-        assert {li.find_element(By.TAG_NAME, "b").text for li in items} == {"airplane", "frog"}
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#predict-result li"))
+        top = browser.execute_script("return [...document.querySelectorAll('#predict-result li b')]"
+                                     ".map(b => b.innerText)")
+        assert set(top) == {"airplane", "frog"}
 
         # the memory browser: the images the memory holds for a class, as served by /memory
         memory = httpx.get(server.url + "/memory").json()
         Select(browser.find_element(By.ID, "memory-class")).select_by_value("frog")
         box = browser.find_element(By.ID, "memory-images")
         wait(browser, lambda d: box.get_attribute("data-label") == "frog")
-        images = box.find_elements(By.TAG_NAME, "img")
-        assert len(images) == memory["per_class"]["frog"]
-        wait(browser, lambda d: all(d.execute_script("return arguments[0].naturalWidth", img) == 32 for img in images))
+        widths = "return [...document.querySelectorAll('#memory-images img')].map(i => i.naturalWidth)"
+        wait(browser, lambda d: d.execute_script(widths) == [32] * memory["per_class"]["frog"])
     finally:
         server.stop()
 
