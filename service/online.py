@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from .db import Database
 
@@ -98,11 +99,14 @@ class OnlineAccuracy:
                               if c < len(classes) and classes[c] is not None}}
 
 
-@dataclass(frozen=True)
-class HistoryPoint:
+class HistoryPoint(BaseModel):
+    """One point of the series (also the `GET /history` item)."""
+
+    model_config = ConfigDict(frozen=True)
+
     samples_trained: int
     steps: int
-    at: float
+    at: float = Field(description="Unix time")
     accuracy: float | None
     window_accuracy: float | None
     new_class_samples: int
@@ -110,8 +114,8 @@ class HistoryPoint:
     step_ms: float
     received: int
     backlog: int
-    per_class: dict[str, float]  # cumulative online accuracy per class label
-    memory: dict[str, int]  # replay memory: samples per class label
+    per_class: dict[str, float] = Field(description="cumulative online accuracy per class")
+    memory: dict[str, int] = Field(description="replay memory: samples per class")
 
 
 class History:
@@ -128,7 +132,7 @@ class History:
             last = conn.execute("SELECT MAX(samples_trained) FROM history").fetchone()[0]
             if last is not None and point.samples_trained <= last:
                 return False
-            row = {**point.__dict__, "per_class": json.dumps(point.per_class), "memory": json.dumps(point.memory)}
+            row = {**point.model_dump(), "per_class": json.dumps(point.per_class), "memory": json.dumps(point.memory)}
             conn.execute(f"INSERT INTO history ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
                          list(row.values()))
         return True

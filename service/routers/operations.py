@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from ..online import HistoryPoint
 from ..runtime import Runtime
 from ..settings import Settings
 from .auth import require
@@ -46,21 +47,6 @@ class OnlineFigures(BaseModel):
     new_class_samples: int = Field(description="samples of a class the model had not learned yet (not in the "
                                    "accuracies)")
     per_class: dict[str, ClassAccuracy]
-
-
-class Point(BaseModel):
-    samples_trained: int
-    steps: int
-    at: float = Field(description="Unix time")
-    accuracy: float | None
-    window_accuracy: float | None
-    new_class_samples: int
-    loss: float | None
-    step_ms: float
-    received: int
-    backlog: int
-    per_class: dict[str, float] = Field(description="cumulative online accuracy per class")
-    memory: dict[str, int] = Field(description="replay memory: samples per class")
 
 
 class Status(BaseModel):
@@ -136,7 +122,7 @@ def router(settings: Settings) -> APIRouter:
         rt.metrics.observe_status(st)
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @api.get("/history", response_model=list[Point], dependencies=[require(settings, "read")],
+    @api.get("/history", response_model=list[HistoryPoint], dependencies=[require(settings, "read")],
              responses=error_responses(401, 403, 422))
     async def history(request: Request, since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
                       limit: Annotated[int, Query(ge=1, le=10_000)] = 1000):
@@ -144,7 +130,7 @@ def router(settings: Settings) -> APIRouter:
         `since` samples trained, at most `limit` of them (ask again with the last one's
         `samples_trained` for more)."""
         points = await run_in_threadpool(request.app.state.runtime.worker.history.since, since, limit)
-        return [p.__dict__ for p in points]
+        return points
 
     @api.get("/healthz")
     async def healthz():
