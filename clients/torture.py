@@ -164,16 +164,8 @@ class Torture:
         with httpx.Client(base_url=self.service.url, timeout=10) as http:
             while not self.stop.wait(0.1):
                 for path in ("/status", "/metrics", "/readyz"):
-                    try:
-                        r = http.get(path)
-                    except httpx.HTTPError:
-                        self.unreachable[path] += 1
-                        continue
-                    self.polls[path] += 1
-                    if r.status_code >= 500:
-                        self.server_errors[path] += 1
-                        self.problems.append(f"{path} answered {r.status_code}: {r.text[:200]}")
-                    elif path == "/status":
+                    r = self._poll(http, "GET", path)
+                    if r is not None and path == "/status":
                         worker = r.json()["worker"]
                         if not worker["alive"] or worker["restarts"] or worker["last_error"] or r.json()["error"]:
                             self.problems.append(f"worker unhealthy: {worker}")
@@ -185,19 +177,27 @@ class Torture:
             while not self.stop.wait(0.3):
                 for method, path, kwargs in (("GET", "/snapshots", {}), ("GET", "/snapshots/latest", {}),
                                              ("POST", "/predict", {"json": {"images": [probe], "k": 2}})):
-                    try:
-                        r = http.request(method, path, **kwargs)
-                    except httpx.HTTPError:
-                        self.unreachable[path] += 1
+                    r = self._poll(http, method, path, **kwargs)
+                    if r is None:
                         continue
-                    self.polls[path] += 1
-                    if r.status_code >= 500:
-                        self.server_errors[path] += 1
-                        self.problems.append(f"{method} {path} answered {r.status_code}: {r.text[:200]}")
-                    elif path == "/snapshots":
+                    if path == "/snapshots":
                         self.snapshot_ids.update(s["id"] for s in r.json()["snapshots"])
                     elif path == "/snapshots/latest" and r.status_code == 200 and not r.content.startswith(b"\x08"):
                         self.problems.append("a downloaded snapshot is not an ONNX file")
+
+    def _poll(self, http: httpx.Client, method: str, path: str, **kwargs) -> httpx.Response | None:
+        """One request of the monitor or the reader, counted; the answer unless it failed or was a 5xx."""
+        try:
+            r = http.request(method, path, **kwargs)
+        except httpx.HTTPError:
+            self.unreachable[path] += 1
+            return None
+        self.polls[path] += 1
+        if r.status_code >= 500:
+            self.server_errors[path] += 1
+            self.problems.append(f"{method} {path} answered {r.status_code}: {r.text[:200]}")
+            return None
+        return r
 
     def killer(self) -> None:
         deadline = time.time() + self.seconds
