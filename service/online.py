@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from .db import Database
+from .store import by_label
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS history (samples_trained INTEGER PRIMARY KEY, steps INTEGER NOT NULL, at REAL NOT NULL,
@@ -94,9 +95,8 @@ class OnlineAccuracy:
         """The figures as /status shows them, classes by label."""
         return {"accuracy": self.accuracy, "window_accuracy": self.window_accuracy, "window": self.window,
                 "samples_scored": self.scored, "new_class_samples": self.new_class_samples,
-                "per_class": {classes[c]: {"accuracy": right / n, "samples": n}
-                              for c, (right, n) in self.per_class().items()
-                              if c < len(classes) and classes[c] is not None}}
+                "per_class": by_label(classes, {c: {"accuracy": right / n, "samples": n}
+                                                for c, (right, n) in self.per_class().items()})}
 
 
 class HistoryPoint(BaseModel):

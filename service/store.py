@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .db import Database
 from .errors import NotFound, SampleIdConflict, TooManyClasses
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,21 @@ def _class_ids(conn: sqlite3.Connection, labels: list[str], max_classes: int) ->
             conn.execute("INSERT INTO classes (id, name) VALUES (?, ?)", (next_id + offset, name))
             ids[name] = next_id + offset
     return ids
+
+
+def label_of(classes: Sequence[str | None], class_id: int) -> str | None:
+    """The label of a class id in `classes` (as `IngestLog.classes()` gives them); None for a
+    forgotten class or one beyond the list (not yet trained, say)."""
+    return classes[class_id] if 0 <= class_id < len(classes) else None
+
+
+def by_label(classes: Sequence[str | None], by_id: dict[int, V]) -> dict[str, V]:
+    """{class id: value} -> {label: value}, for the classes that have a label.
+
+    >>> by_label(["cat", None, "dog"], {0: 5, 1: 3, 2: 4, 3: 1})
+    {'cat': 5, 'dog': 4}
+    """
+    return {label: v for c, v in by_id.items() if (label := label_of(classes, c)) is not None}
 
 
 def images_from_blobs(blobs: list[bytes], shape) -> torch.Tensor:

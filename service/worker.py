@@ -37,7 +37,7 @@ from .metrics import Metrics
 from .online import History, HistoryPoint, OnlineAccuracy
 from .settings import Settings
 from .snapshots import SnapshotStore
-from .store import Forgotten, IngestLog, LogEntry, images_from_blobs
+from .store import Forgotten, IngestLog, LogEntry, by_label, images_from_blobs
 
 log = logging.getLogger("aser.worker")
 
@@ -260,10 +260,8 @@ class LearnerWorker:
             new_class_samples=self.online.new_class_samples, loss=None if loss is None else float(loss),
             step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
             backlog=self.store.pending(self.trained_upto),
-            per_class={classes[c]: right / n for c, (right, n) in self.online.per_class().items()
-                       if c < len(classes) and classes[c] is not None},
-            memory={classes[c]: n for c, n in self.memory.class_counts().items()
-                    if c < len(classes) and classes[c] is not None})
+            per_class=by_label(classes, {c: right / n for c, (right, n) in self.online.per_class().items()}),
+            memory=by_label(classes, self.memory.class_counts()))
         try:
             self.history.add(point)
         except Exception:

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import NotFound
 from ..settings import Settings
+from ..store import by_label, label_of
 from ..worker import MemoryView
 from .auth import require
 from .errors import error_responses
@@ -59,12 +60,10 @@ def router(settings: Settings) -> APIRouter:
         """The replay memory: samples per class, and each slot's class and when it entered."""
         worker = request.app.state.runtime.worker
         view, classes = worker.memory, worker.predictor.classes
-        slots = [{"slot": i, "label": classes[c], "entered": e}
-                 for i, (c, e) in enumerate(zip(view.class_ids, view.entered))
-                 if c < len(classes) and classes[c] is not None]
+        slots = [{"slot": i, "label": label, "entered": e} for i, (c, e) in enumerate(zip(view.class_ids, view.entered))
+                 if (label := label_of(classes, c)) is not None]
         return {"capacity": settings.mem_size, "size": len(view.class_ids), "model_version": worker.predictor.version,
-                "per_class": {classes[c]: n for c, n in view.class_counts().items()
-                              if c < len(classes) and classes[c] is not None},
+                "per_class": by_label(classes, view.class_counts()),
                 "slots": slots}
 
     @api.get("/memory/{slot}", response_class=Response, dependencies=[require(settings, "read")],

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from ..online import HistoryPoint
 from ..runtime import Runtime
 from ..settings import Settings
+from ..store import by_label
 from .auth import require
 from .errors import error_responses
 
@@ -81,8 +82,7 @@ def status(rt: Runtime) -> dict:
         "backlog": store.pending(p.trained_upto),
         "classes": [c for c in classes if c is not None],
         "online": worker.online.summary(classes),
-        "buffer": {classes[c]: n for c, n in worker.memory.class_counts().items()
-                   if c < len(classes) and classes[c] is not None},
+        "buffer": by_label(classes, worker.memory.class_counts()),
         "buffer_size": len(worker.memory.class_ids),
         "model_version": p.version,
         "steps": p.steps,
