@@ -21,13 +21,22 @@ from pathlib import Path
 
 import torch
 
-from learner import METHODS, average_accuracy, average_forgetting, make_learner
+from learner import METHODS, make_learner
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
 from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
 from learner.ncm import memory_ncm
 from learner.objective import LOSSES, STEPS
 
-from .results import comparison_table, comparisons, group, load_results, plot_accuracy, plot_seeds, summary_table
+from .results import (
+    comparison_table,
+    comparisons,
+    group,
+    load_results,
+    matrix_summary,
+    plot_accuracy,
+    plot_seeds,
+    summary_table,
+)
 
 SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu"}
 
@@ -123,8 +132,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
             record(evaluate(learner, data, tasks), matrix, ncm_matrix)
             bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
     bar.close()
-    forgetting = average_forgetting(matrix)
-    ncm = ncm_summary(ncm_matrix) if len(ncm_matrix) == len(matrix) else {}
+    ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
     uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
     return {
@@ -132,9 +140,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "dataset": args.dataset,
         "mem_size": args.mem_size if args.method in REPLAY_METHODS or args.method == "agem" else None,
         "seed": seed,
-        "accuracy_matrix": matrix,
-        "average_accuracy": average_accuracy(matrix),
-        "average_forgetting": None if math.isnan(forgetting) else forgetting,
+        **matrix_summary(matrix),
         **ncm,
         "train_seconds": round(train_seconds, 2),
         "steps": learner.steps,
@@ -160,12 +166,6 @@ def record(evaluation: tuple, matrix: list, ncm_matrix: list) -> None:
     matrix.append(head)
     if nearest is not None:
         ncm_matrix.append(nearest)
-
-
-def ncm_summary(matrix: list[list[float]]) -> dict:
-    forgetting = average_forgetting(matrix)
-    return {"accuracy_matrix_ncm": matrix, "average_accuracy_ncm": average_accuracy(matrix),
-            "average_forgetting_ncm": None if math.isnan(forgetting) else forgetting}
 
 
 def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int) -> int:

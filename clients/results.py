@@ -17,7 +17,19 @@ from collections import defaultdict
 from pathlib import Path
 
 from learner import METHODS
-from learner.metrics import mean_ci95
+from learner.metrics import average_accuracy, average_forgetting, mean_ci95
+
+
+def matrix_summary(matrix: list[list[float]], suffix: str = "") -> dict:
+    """An accuracy matrix with its A_T and F_T (None with one evaluation), under the keys a result
+    file uses (`suffix` "_ncm" for the nearest-class-mean classifier's).
+
+    >>> matrix_summary([[90.0, 0.0], [60.0, 80.0]])
+    {'accuracy_matrix': [[90.0, 0.0], [60.0, 80.0]], 'average_accuracy': 70.0, 'average_forgetting': 30.0}
+    """
+    forgetting = average_forgetting(matrix)
+    return {f"accuracy_matrix{suffix}": matrix, f"average_accuracy{suffix}": average_accuracy(matrix),
+            f"average_forgetting{suffix}": None if math.isnan(forgetting) else forgetting}
 
 
 def load_results(folder: Path) -> list[dict]:

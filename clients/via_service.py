@@ -16,10 +16,10 @@ import time
 import torch
 from PIL import Image
 
-from learner import average_accuracy, average_forgetting
 from learner.data import ImageDataset, task_batches, task_test_set
 
 from .api import ServiceClient
+from .results import matrix_summary
 
 
 def png_bytes(image: torch.Tensor) -> bytes:
@@ -84,16 +84,13 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
             bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
     st = client.status()
     client.close()
-    forgetting = average_forgetting(matrix)
     return {
         "method": st["method"],
         "dataset": args.dataset,
         "mem_size": st["config"]["mem_size"],
         "seed": seed,
         "via": args.via,
-        "accuracy_matrix": matrix,
-        "average_accuracy": average_accuracy(matrix),
-        "average_forgetting": None if math.isnan(forgetting) else forgetting,
+        **matrix_summary(matrix),
         "train_seconds": round(train_seconds, 2),
         "steps": st["steps"],
         "settings": {**st["config"], "train_samples": int(data.train_y.numel()),
