@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[plots]"
+.venv/bin/python -m pip install -q -e ".[bench]"

@@ -80,12 +80,11 @@ class Settings(BaseSettings):
             raise ValueError(f"ASER_STEP and ASER_LOSS apply to the replay methods, not {self.method}")
         return self
 
-    @model_validator(mode="after")
-    def _someone_can_write(self) -> "Settings":
+    def ensure_someone_can_write(self) -> None:
+        """A learner with a read token alone would refuse every sample (a replica takes no writes)."""
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")
-        return self
 
     @property
     def database_path(self) -> Path:

@@ -10,6 +10,7 @@ import sys
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from .conftest import ROOT
 from .test_service import Server
@@ -95,10 +96,14 @@ def test_schemathesis_with_all_checks_finds_nothing(guarded):
     assert "No issues found" in r.stdout
 
 
-def test_a_read_token_alone_is_refused_at_start(tmp_path):
-    from pydantic import ValidationError
-
+def test_a_read_token_alone_is_refused_by_the_learner_not_by_a_replica(tmp_path):
+    from service.app import create_app
+    from service.replica import create_replica_app
     from service.settings import Settings
 
-    with pytest.raises(ValidationError, match="nobody"):
-        Settings(data_dir=tmp_path, read_token="r")
+    settings = Settings(data_dir=tmp_path, read_token="r")
+    with pytest.raises(ValueError, match="nobody"):
+        create_app(settings)
+    replica = TestClient(create_replica_app(settings))  # reads are all a replica serves
+    assert replica.get("/status").status_code == 401
+    assert replica.get("/status", headers={"Authorization": "Bearer r"}).status_code == 200
