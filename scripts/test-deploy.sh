@@ -129,14 +129,19 @@ ensure_engine
 [ -x "$PYTHON" ] || { echo "no $PYTHON: run bash scripts/test.sh (or scripts/install.sh) first" >&2; exit 1; }
 ensure_base_image
 torch_index=$(serve_torch_index)
-say "building aser-service:latest on $BASE_IMAGE (torch from $torch_index)"
+build() {  # target tag
+  DOCKER_BUILDKIT=0 docker build --network host -f deploy/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg TORCH_INDEX="$torch_index" --target "$1" -t "$2" . >"$WORK/build.log" 2>&1 \
+    || { tail -40 "$WORK/build.log"; exit 1; }
+}
+say "building aser-service:latest and aser-replica:latest on $BASE_IMAGE (torch from $torch_index)"
 build_started=$(date +%s)
-DOCKER_BUILDKIT=0 docker build --network host -f deploy/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
-  --build-arg TORCH_INDEX="$torch_index" -t aser-service:latest . >"$WORK/build.log" 2>&1 \
-  || { tail -40 "$WORK/build.log"; exit 1; }
+build learner aser-service:latest
+build replica aser-replica:latest
 build_seconds=$(($(date +%s) - build_started))
 image_bytes=$(docker image inspect -f '{{.Size}}' aser-service:latest)
-say "built in ${build_seconds}s: $((image_bytes / 1000000)) MB"
+replica_image_bytes=$(docker image inspect -f '{{.Size}}' aser-replica:latest)
+say "built in ${build_seconds}s: learner $((image_bytes / 1000000)) MB, replica $((replica_image_bytes / 1000000)) MB"
 
 learner_port=$(free_port)
 {
@@ -167,7 +172,7 @@ restart_started=$(date +%s)
 compose start learner >/dev/null 2>&1
 wait_healthy "$learner"
 restart_seconds=$(($(date +%s) - restart_started))
-"${smoke[@]}" verify ${OUT:+--out "$OUT"} --note "image_bytes=$image_bytes" --note "build_seconds=$build_seconds" \
+"${smoke[@]}" verify ${OUT:+--out "$OUT"} --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" --note "build_seconds=$build_seconds" \
   --note "memory_learner=$(echo $memory | cut -d' ' -f1)" --note "memory_replica=$(echo $memory | cut -d' ' -f2)" \
   --note "machine=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, Docker $(docker version -f '{{.Server.Version}}') engine, base $BASE_IMAGE" \
   --note "restart_to_healthy_seconds=$restart_seconds" --note "total_seconds=$(($(date +%s) - started))" \

@@ -8,7 +8,6 @@ import sys
 
 import uvicorn
 
-from .app import create_app
 from .settings import Settings
 
 
@@ -34,6 +33,8 @@ def serve(make_app) -> int:
 
 
 def main() -> int:
+    from .app import create_app  # here, not above: the replica serves through this module without torch
+
     return serve(create_app)
 
 

@@ -19,7 +19,7 @@ from .settings import Settings
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    settings.ensure_someone_can_write()
+    settings.check_learner()
     metrics = Metrics()
     models = BodyModels(settings)
 

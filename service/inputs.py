@@ -1,5 +1,6 @@
 """Validation of what clients send: labels, and images (PNG or JPEG, also WebP and BMP),
-exactly image_size x image_size, converted to RGB uint8 [3, H, W]. Bad input is an InputError."""
+exactly image_size x image_size, converted to RGB uint8 [3, H, W]. Bad input is an InputError.
+No torch here: the inference replica decodes with it too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import io
 import warnings
 
 import numpy as np
-import torch
 from PIL import Image
 
 ACCEPTED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
@@ -36,7 +36,7 @@ def decode_base64(text: str, what: str = "image") -> bytes:
         raise InputError("invalid_base64", f"{what} is not valid base64: {exc}") from exc
 
 
-def decode_image(data: bytes, size: int, max_bytes: int) -> torch.Tensor:
+def decode_image(data: bytes, size: int, max_bytes: int) -> np.ndarray:
     """Encoded image bytes -> uint8 [3, size, size]. Raises InputError with a clear reason."""
     if not data:
         raise InputError("empty_image", "the image is empty")
@@ -59,7 +59,19 @@ def decode_image(data: bytes, size: int, max_bytes: int) -> torch.Tensor:
         raise
     except Exception as exc:  # PIL raises many types for corrupt data
         raise InputError("corrupt_image", f"the image cannot be decoded: {exc}") from exc
-    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
+    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
+
+
+def decode_images(blobs: list[bytes], size: int, max_bytes: int) -> np.ndarray:
+    """Several encoded images -> uint8 [N, 3, size, size]; an error names the image at fault."""
+    images = []
+    for i, blob in enumerate(blobs):
+        try:
+            images.append(decode_image(blob, size, max_bytes))
+        except InputError as exc:
+            detail = f"image {i}: {exc.detail}" if len(blobs) > 1 else exc.detail
+            raise InputError(exc.code, detail, exc.status) from exc
+    return np.stack(images)
 
 
 def validate_label(label: object, max_length: int) -> str:

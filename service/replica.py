@@ -26,12 +26,11 @@ from starlette.concurrency import run_in_threadpool
 from learner.snapshot_format import OnnxSnapshot, top_k
 
 from .errors import NoSnapshotYet
-from .inputs import decode_base64
+from .inputs import decode_base64, decode_images
 from .metrics import Metrics
 from .routers.auth import require
-from .routers.bodies import BodyModels
+from .routers.bodies import IMAGE_QUERY, K_QUERY, BodyModels, predict_request_images
 from .routers.errors import BodyLimit, install_error_handlers
-from .routers.predict import IMAGE_QUERY, K_QUERY, decode_many, predict_request_images
 from .settings import Settings
 
 log = logging.getLogger("aser.replica")
@@ -40,8 +39,7 @@ log = logging.getLogger("aser.replica")
 @dataclass(frozen=True)
 class LoadedSnapshot:
     id: int
-    classifier: OnnxSnapshot
-    settings: Settings  # the image size follows the snapshot's input shape
+    classifier: OnnxSnapshot  # its input shape gives the image size it takes
 
 
 class SnapshotFollower:
@@ -71,8 +69,7 @@ class SnapshotFollower:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning("snapshot refresh failed: %s", self.last_error)
             return False
-        image_size = clf.info.input_shape[1]
-        self.current = LoadedSnapshot(latest, clf, self.settings.model_copy(update={"image_size": image_size}))
+        self.current = LoadedSnapshot(latest, clf)
         self.last_error = None
         log.info("serving snapshot %d (model version %s)", latest, clf.info.model_version)
         return True
@@ -104,7 +101,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
         snap = follower.current  # one snapshot for the whole request
         if snap is None:
             raise NoSnapshotYet("no snapshot loaded yet")
-        pixels = decode_many(blobs, snap.settings).numpy()
+        pixels = decode_images(blobs, snap.classifier.info.input_shape[1], settings.max_image_bytes)
         probs = snap.classifier.probabilities(pixels)
         return {"snapshot_id": snap.id, "model_version": snap.classifier.info.model_version,
                 "results": top_k(probs, snap.classifier.info.labels, min(k, settings.max_top_k))}

@@ -2,6 +2,9 @@
 
 >>> Settings(method="er").method
 'er'
+>>> Settings(method="icarl").check_learner()
+Traceback (most recent call last):
+ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
 """
 
 from __future__ import annotations
@@ -9,10 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from learner.methods import METHODS, REPLAY_METHODS
 
 
 class Settings(BaseSettings):
@@ -72,16 +73,15 @@ class Settings(BaseSettings):
     read_token: SecretStr | None = None
     admin_token: SecretStr | None = None
 
-    @model_validator(mode="after")
-    def _learner_exists(self) -> "Settings":
+    def check_learner(self) -> None:
+        """What a learner needs and a replica does not (a replica neither trains, imports torch,
+        nor takes writes): a known method, and a token that may send samples if any is set."""
+        from learner.methods import METHODS, REPLAY_METHODS
+
         if self.method not in METHODS:
             raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.method not in REPLAY_METHODS and (self.step, self.loss) != ("joint", "ce"):
             raise ValueError(f"ASER_STEP and ASER_LOSS apply to the replay methods, not {self.method}")
-        return self
-
-    def ensure_someone_can_write(self) -> None:
-        """A learner with a read token alone would refuse every sample (a replica takes no writes)."""
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")

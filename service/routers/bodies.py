@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from functools import cached_property
 from typing import Annotated
 
-from fastapi import Request
+from fastapi import Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
 
@@ -29,6 +29,11 @@ IMAGE_FORMATS = ("image/png", "image/jpeg", "image/webp", "image/bmp")
 NDJSON_TYPES = ("application/x-ndjson", "application/jsonl")
 STRICT_TYPES = ConfigDict(strict=True, regex_engine="python-re")
 STRICT = ConfigDict(extra="forbid", **STRICT_TYPES)
+
+
+IMAGE_QUERY = Query(..., min_length=1, description="the image (PNG, JPEG, WebP, BMP), base64url",
+                    json_schema_extra={"format": "image-base64url"})
+K_QUERY = Query(3, ge=1, description="how many labels to answer (capped at the service's limit)")
 
 
 def _integral(value):
@@ -211,6 +216,14 @@ async def read_form(request: Request, models: BodyModels, with_labels: bool):
                          422)
     labels, ids = validate(models.labels, labels), validate(models.ids, ids)
     return blobs, labels, ids or [None] * len(blobs)
+
+
+async def predict_request_images(request: Request, models: BodyModels) -> tuple[list[bytes], int | None]:
+    """The images (and k) of a POST /predict body, JSON or multipart."""
+    if content_kind(request) == "json":
+        return models.predict_json(await request.body())
+    blobs, _, _ = await read_form(request, models, with_labels=False)
+    return blobs, None
 
 
 def text_part_bytes(text: str) -> bytes:

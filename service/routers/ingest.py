@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from ..errors import ServiceError
-from ..inputs import InputError, decode_base64, decode_image
+from ..inputs import InputError, decode_base64, decode_images
 from ..runtime import Runtime
 from ..settings import Settings
 from ..store import NewSample, Stored
@@ -44,14 +44,8 @@ def acknowledgement(stored: list[Stored]) -> dict:
 
 def to_new_samples(labels: list[str], blobs: list[bytes], ids: list, settings: Settings) -> list[NewSample]:
     """Decode and check every image; the request is refused whole if one is bad."""
-    out = []
-    for i, (label, blob, sid) in enumerate(zip(labels, blobs, ids, strict=True)):
-        try:
-            pixels = decode_image(blob, settings.image_size, settings.max_image_bytes)
-        except InputError as exc:
-            raise InputError(exc.code, f"image {i}: {exc.detail}" if len(blobs) > 1 else exc.detail, exc.status) from exc
-        out.append(NewSample(label, pixels.numpy().tobytes(), sid))
-    return out
+    pixels = decode_images(blobs, settings.image_size, settings.max_image_bytes)
+    return [NewSample(label, image.tobytes(), sid) for label, image, sid in zip(labels, pixels, ids, strict=True)]
 
 
 async def commit(rt: Runtime, labels: list[str], blobs: list[bytes], ids: list) -> dict:

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import torch
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from learner.snapshot_format import top_k
 
 from ..errors import NoClassesYet
-from ..inputs import InputError, decode_base64, decode_image
+from ..inputs import decode_base64, decode_images
 from ..runtime import Runtime
 from ..settings import Settings
 from .auth import require
-from .bodies import BodyModels, content_kind, read_form
+from .bodies import IMAGE_QUERY, K_QUERY, BodyModels, predict_request_images
 from .errors import error_responses
-
-IMAGE_QUERY = Query(..., min_length=1, description="the image (PNG, JPEG, WebP, BMP), base64url",
-                    json_schema_extra={"format": "image-base64url"})
-K_QUERY = Query(3, ge=1, description="how many labels to answer (capped at the service's limit)")
 
 
 class Label(BaseModel):
@@ -39,32 +35,14 @@ class Predictions(BaseModel):
     results: list[list[Label]]
 
 
-def decode_many(blobs: list[bytes], settings: Settings) -> torch.Tensor:
-    images = []
-    for i, blob in enumerate(blobs):
-        try:
-            images.append(decode_image(blob, settings.image_size, settings.max_image_bytes))
-        except InputError as exc:
-            raise InputError(exc.code, f"image {i}: {exc.detail}" if len(blobs) > 1 else exc.detail, exc.status) from exc
-    return torch.stack(images)
-
-
 def predict(runtime: Runtime, blobs: list[bytes], k: int, settings: Settings) -> dict:
-    images = decode_many(blobs, settings)
+    images = torch.from_numpy(decode_images(blobs, settings.image_size, settings.max_image_bytes))
     if not runtime.worker.predictor.labels:
         raise NoClassesYet("the model has not learned any class yet")
     # one forward pass with the requests arriving meanwhile, one model for all of them
     predictor, probs = runtime.batcher.run(images)
     return {"model_version": predictor.version, "steps": predictor.steps,
             "results": top_k(probs.numpy(), predictor.classes, min(k, settings.max_top_k))}
-
-
-async def predict_request_images(request: Request, models: BodyModels) -> tuple[list[bytes], int | None]:
-    """The images (and k) of a POST /predict body, JSON or multipart."""
-    if content_kind(request) == "json":
-        return models.predict_json(await request.body())
-    blobs, _, _ = await read_form(request, models, with_labels=False)
-    return blobs, None
 
 
 def router(settings: Settings, models: BodyModels) -> APIRouter:
