@@ -132,8 +132,10 @@ def comparison_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc, ncm = r["accuracy"], r["ncm"]
+        ncm_cell = "n/a" if not ncm["seeds"] else _signed(ncm) + (
+            f" (n={ncm['seeds']})" if ncm["seeds"] != acc["seeds"] else "")  # NCM only in newer runs
         lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {acc['seeds']} | "
-                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {_signed(ncm) if ncm['seeds'] else 'n/a'} |")
+                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} |")
     return "\n".join(lines) + "\n\nMean paired difference ± 95% paired t-interval over the seeds both ran.\n"
 
 

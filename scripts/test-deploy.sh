@@ -108,6 +108,7 @@ teardown() {
     compose ps || true
     compose logs --no-color --tail 60 || true
   fi
+  docker rm -f -v "${PROJECT}_port9000" >/dev/null 2>&1 || true
   [ -f "$WORK/env" ] && compose down --volumes --remove-orphans --timeout 20 >/dev/null 2>&1 || true
   [ -f "$WORK/index.pid" ] && kill "$(cat "$WORK/index.pid")" 2>/dev/null || true
   rm -rf "$WORK"
@@ -143,6 +144,11 @@ image_bytes=$(docker image inspect -f '{{.Size}}' aser-service:latest)
 replica_image_bytes=$(docker image inspect -f '{{.Size}}' aser-replica:latest)
 say "built in ${build_seconds}s: learner $((image_bytes / 1000000)) MB, replica $((replica_image_bytes / 1000000)) MB"
 
+say "the healthcheck follows ASER_PORT"
+docker run -d --name "${PROJECT}_port9000" -e ASER_PORT=9000 -e ASER_ADMIN_TOKEN=probe aser-service:latest >/dev/null
+wait_healthy "${PROJECT}_port9000"
+docker rm -f -v "${PROJECT}_port9000" >/dev/null
+
 learner_port=$(free_port)
 {
   for role in WRITE READ ADMIN; do echo "ASER_${role}_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(24))')"; done
@@ -164,16 +170,20 @@ smoke=("$PYTHON" -m clients.smoke --learner "http://127.0.0.1:$learner_port" "${
        --data "$DATA" --ledger "$WORK/ledger.json")
 "${smoke[@]}" stream
 learner=$(compose ps -q learner)
-memory=$(docker stats --no-stream --format '{{.MemUsage}}' "$learner" "$(compose ps -q replica | head -1)" | cut -d/ -f1)
-say "memory in use: learner $(echo $memory | cut -d' ' -f1), one replica $(echo $memory | cut -d' ' -f2)"
+memory() { docker stats --no-stream --format '{{.MemUsage}}' "$1" | cut -d' ' -f1; }  # "694MiB / 23GiB"
+memory_learner=$(memory "$learner")
+memory_replica=$(memory "$(compose ps -q replica | head -1)")
+say "memory in use: learner $memory_learner, one replica $memory_replica"
 say "SIGKILL the learner container, then start it again"
 docker kill --signal KILL "$learner" >/dev/null
 restart_started=$(date +%s)
 compose start learner >/dev/null 2>&1
 wait_healthy "$learner"
 restart_seconds=$(($(date +%s) - restart_started))
-"${smoke[@]}" verify ${OUT:+--out "$OUT"} --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" --note "build_seconds=$build_seconds" \
-  --note "memory_learner=$(echo $memory | cut -d' ' -f1)" --note "memory_replica=$(echo $memory | cut -d' ' -f2)" \
-  --note "machine=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, Docker $(docker version -f '{{.Server.Version}}') engine, base $BASE_IMAGE" \
-  --note "restart_to_healthy_seconds=$restart_seconds" --note "total_seconds=$(($(date +%s) - started))" \
-  --note "command=bash scripts/test-deploy.sh${OUT:+ --out $OUT}"
+"${smoke[@]}" verify ${OUT:+--out "$OUT"} --note "command=bash scripts/test-deploy.sh${OUT:+ --out $OUT}" \
+  --note "machine=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores" \
+  --note "docker=$(docker version -f '{{.Server.Version}}')" --note "base_image=$BASE_IMAGE" \
+  --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" \
+  --note "build_seconds=$build_seconds" --note "memory_learner=$memory_learner" \
+  --note "memory_replica=$memory_replica" --note "restart_to_healthy_seconds=$restart_seconds" \
+  --note "total_seconds=$(($(date +%s) - started))"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from clients.benchmark import main
-from clients.results import paired_difference
+from clients.results import comparison_table, comparisons, paired_difference
 from clients.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
 
 from .conftest import CIFAR10_ZIP
@@ -100,3 +100,15 @@ def test_paired_difference_is_a_paired_t_interval():
     d = paired_difference({0: 50.0, 1: 40.0, 2: 45.0}, {0: 51.0, 1: 42.0, 2: 48.0})
     assert d["seeds"] == 3 and d["mean"] == 2.0 and abs(d["ci95"] - 4.3027 / 3 ** 0.5) < 1e-3
     assert (d["wins_a"], d["wins_b"]) == (0, 3)
+
+
+def test_the_comparison_table_says_over_how_many_seeds_ncm_was_paired():
+    def run(seed, acc, ncm=None):
+        return {"seed": seed, "average_accuracy": acc, **({"average_accuracy_ncm": ncm} if ncm is not None else {})}
+
+    groups = {("cifar10", 1000, "er"): [run(0, 40.0), run(1, 41.0, 50.0), run(2, 42.0, 51.0)],
+              ("cifar10", 1000, "aser-mu"): [run(0, 41.0), run(1, 43.0, 49.0), run(2, 42.5, 50.0)]}
+    (row,) = comparisons(groups, [("er", "aser-mu")])
+    line = comparison_table([row]).splitlines()[2]
+    assert row["accuracy"]["seeds"] == 3 and row["ncm"]["seeds"] == 2
+    assert line.endswith("-1.00 ± 0.00 (n=2) |") and "| 3 |" in line
