@@ -6,7 +6,8 @@ two steps. Meanwhile, at a paced total rate:
   a WebSocket), every sample with its own id, retrying on their own through the outages;
 - a monitor polls /status, /metrics and /readyz every 0.1 s;
 - a reader lists snapshots and downloads the latest; a predictor asks for predictions;
-- the service is SIGKILLed every `--kill-every` seconds (randomised) and started again.
+- once the first snapshot is out, the service is SIGKILLed every `--kill-every` seconds
+  (randomised) and started again.
 
 Then it checks, through the API alone:
 - nothing acknowledged was lost and nothing was stored twice: every sample sent is sent again
@@ -213,12 +214,24 @@ class Torture:
             self.restart_seconds.append(time.perf_counter() - t0)
         time.sleep(max(0.0, deadline - time.time()))
 
+    def await_first_snapshot(self, timeout: float = 180) -> float | None:
+        """Kills start once a snapshot exists, so that its listing and download are exercised
+        through them however slow this machine exports; seconds waited, None if none came."""
+        started = time.perf_counter()
+        while not self.snapshot_ids:
+            if time.perf_counter() - started > timeout:
+                self.problems.append(f"no snapshot was published within {timeout:.0f}s")
+                return None
+            time.sleep(0.2)
+        return round(time.perf_counter() - started, 1)
+
     # --- the run and the checks ---------------------------------------------------------
     def run(self) -> dict:
         clients = [threading.Thread(target=f, daemon=True) for f in
                    (self.ingest_rest, self.ingest_ndjson, self.ingest_websocket, self.monitor, self.reader)]
         for t in clients:
             t.start()
+        self.first_snapshot_s = self.await_first_snapshot()
         self.killer()
         self.stop.set()
         for t in clients:
@@ -260,7 +273,8 @@ class Torture:
             "duplicate_acks_during_run": self.ledger.duplicate_acks, "duplicates_on_resend": resent_dups,
             "samples_received": final["samples_received"], "samples_trained": final["samples_trained"],
             "quarantined": final["worker"]["quarantined"], "steps": final["steps"],
-            "snapshots_seen": len(self.snapshot_ids), "polls": dict(self.polls),
+            "first_snapshot_s": self.first_snapshot_s, "snapshots_seen": len(self.snapshot_ids),
+            "polls": dict(self.polls),
             "server_errors": dict(self.server_errors), "unreachable_during_kills": dict(self.unreachable),
             "problems": self.problems[:50], "problem_count": len(self.problems), "passed": not self.problems,
         }
