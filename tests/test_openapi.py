@@ -10,7 +10,6 @@ import sys
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from .conftest import ROOT
 from .test_service import Server
@@ -96,16 +95,12 @@ def test_schemathesis_with_all_checks_finds_nothing(guarded):
     assert "No issues found" in r.stdout
 
 
-def test_a_learner_refuses_an_unknown_method_or_a_read_token_alone_a_replica_does_not(tmp_path):
+def test_a_learner_refuses_an_unknown_method_or_a_read_token_alone(tmp_path):
+    """(A replica takes a read token alone: tests/test_deploy.py starts one so.)"""
     from service.app import create_app
-    from service.replica import create_replica_app
     from service.settings import Settings
 
-    settings = Settings(data_dir=tmp_path, read_token="r")
     with pytest.raises(ValueError, match="nobody"):
-        create_app(settings)
+        create_app(Settings(data_dir=tmp_path, read_token="r"))
     with pytest.raises(ValueError, match="unknown ASER_METHOD 'icarl'"):
         create_app(Settings(data_dir=tmp_path, method="icarl", write_token="w"))
-    replica = TestClient(create_replica_app(settings))  # reads are all a replica serves
-    assert replica.get("/status").status_code == 401
-    assert replica.get("/status", headers={"Authorization": "Bearer r"}).status_code == 200
