@@ -1,5 +1,6 @@
 """The deployment files agree with the code: every ASER_* variable they set is a setting, every
-command is a module that exists, and the image installs what the project declares."""
+command is a module that exists, the images install what the project declares, and the replica
+serves with its own requirements alone. (scripts/test-deploy.sh builds and runs them.)"""
 
 from __future__ import annotations
 
