@@ -49,9 +49,10 @@ function counters(st) {
 }
 
 function lineChart(target, series, { yMax = null, yLabel = "", xLabel = "samples trained" } = {}) {
-  const W = 600, H = 220, L = 44, R = 10, T = 10, B = 30;
+  // drawn at the box's own pixel width (redrawn every refresh), so text and strokes keep their shape
+  const W = Math.max(320, Math.round(target.clientWidth || 600)), H = 220, L = 44, R = 10, T = 22, B = 30;
   const points = series.flatMap((s) => s.points);
-  const svg = [`<svg viewBox="0 0 ${W} ${H}" preserveAspectRatio="none">`];
+  const svg = [`<svg viewBox="0 0 ${W} ${H}" width="${W}" height="${H}">`];
   if (points.length) {
     const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
     const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
@@ -66,7 +67,7 @@ function lineChart(target, series, { yMax = null, yLabel = "", xLabel = "samples
              `<text x="${L}" y="${H - 8}">${x0}</text>`,
              `<text x="${W - R}" y="${H - 8}" text-anchor="end">${x1}</text>`,
              `<text x="${(L + W) / 2}" y="${H - 8}" text-anchor="middle">${xLabel}</text>`,
-             `<text x="10" y="${T + 4}">${yLabel}</text>`);
+             `<text x="${L - 4}" y="${T - 10}" text-anchor="end">${yLabel}</text>`);
     for (const s of series) {
       if (!s.points.length) continue;
       const d = s.points.map((p, i) => (i ? "L" : "M") + X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1)).join("");
