@@ -193,6 +193,14 @@ class ServiceClient:
     def status(self) -> dict:
         return self._json("GET", "/status")
 
+    def drain(self, timeout: float = 600, pause: float = 0.3) -> dict:
+        """The status once the learner has trained on everything it received (backlog 0), or the
+        last status seen when `timeout` seconds ran out: check its backlog."""
+        deadline = time.monotonic() + timeout
+        while (status := self.status())["backlog"] and time.monotonic() < deadline:
+            time.sleep(pause)
+        return status
+
     def metrics(self) -> str:
         response = self._send("GET", "/metrics")
         if response.status_code >= 400:

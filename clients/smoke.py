@@ -66,11 +66,9 @@ class Deployment:
 
     def drain(self, timeout: float = 600) -> dict:
         """The learner's status once it has trained on everything it received."""
-        def trained():
-            status = self.learner.status()
-            return status if status["backlog"] == 0 else None
-
-        return wait_for("the learner to train on its backlog", trained, timeout)
+        status = self.learner.drain(timeout)
+        check(status["backlog"] == 0, f"the learner still had {status['backlog']} samples to train after {timeout}s")
+        return status
 
     def publish(self, timeout: float = 180) -> dict:
         """A snapshot of the current model, once every replica serves it."""

@@ -251,7 +251,7 @@ class Torture:
                 if sid in self.ledger.acked and self.ledger.acked[sid] != seq:
                     self.problems.append(f"acknowledged sample {sid} was {self.ledger.acked[sid]}, now {seq}")
                 self.ledger.acked.setdefault(sid, seq)
-        final = self.drain(client)
+        final = client.drain()
         n = len(self.ledger.sent)
         if sorted(self.ledger.acked.values()) != list(range(1, n + 1)):
             self.problems.append("the sequence numbers of the distinct ids are not exactly 1..N")
@@ -278,15 +278,6 @@ class Torture:
             "server_errors": dict(self.server_errors), "unreachable_during_kills": dict(self.unreachable),
             "problems": self.problems[:50], "problem_count": len(self.problems), "passed": not self.problems,
         }
-
-    def drain(self, client: ServiceClient, timeout: float = 600) -> dict:
-        """Wait until the learner has trained on everything received."""
-        deadline = time.time() + timeout
-        while True:
-            st = client.status()
-            if st["backlog"] == 0 or time.time() > deadline:
-                return st
-            time.sleep(0.3)
 
 
 def run(data: Path, seconds: float, kill_every: float, rate: float, data_dir: Path | None = None,

@@ -159,7 +159,7 @@ learner_port=$(free_port)
 } >"$WORK/env"
 set -a; . "$WORK/env"; set +a
 say "docker-compose up: the learner on 127.0.0.1:$learner_port and two replicas"
-compose up -d --no-build --scale replica=2 >/dev/null 2>&1 || { compose up -d --no-build --scale replica=2; exit 1; }
+compose up -d --no-build --scale replica=2 >"$WORK/up.log" 2>&1 || { cat "$WORK/up.log"; exit 1; }
 replicas=()
 for i in 1 2; do replicas+=(--replica "http://$(compose port --index "$i" replica 8000)"); done
 for cid in $(compose ps -q); do  # "8000/tcp -> 127.0.0.1:PORT", nothing on other interfaces
