@@ -110,6 +110,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
     bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
     matrix: list[list[float]] = []
     ncm_matrix: list[list[float]] = []
+    replay_share: list[float] = []  # per task, % of replayed samples whose class is in the incoming batch
     train_seconds = 0.0
     if iid:
         everything = [c for t in tasks for c in t]
@@ -124,10 +125,15 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         for classes in tasks:
             t0 = time.perf_counter()
             learner.begin_task(classes)
+            replay_counts = [0, 0]  # replayed samples of the incoming batch's classes, all replayed
             for x, y in task_batches(data, classes, args.batch_size, stream_gen):
-                learner.observe(x, y)
+                stats = learner.observe(x, y)
+                replay_counts[0] += stats.get("replayed_incoming", 0)
+                replay_counts[1] += stats.get("replayed", 0)
                 bar.update(1)
             learner.end_task()
+            if replay_counts[1]:
+                replay_share.append(round(100 * replay_counts[0] / replay_counts[1], 2))
             train_seconds += time.perf_counter() - t0
             record(evaluate(learner, data, tasks), matrix, ncm_matrix)
             bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
@@ -142,6 +148,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "seed": seed,
         **matrix_summary(matrix),
         **ncm,
+        **({"replay_incoming_share": replay_share} if replay_share else {}),
         "train_seconds": round(train_seconds, 2),
         "steps": learner.steps,
         "settings": {

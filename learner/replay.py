@@ -48,7 +48,9 @@ class ReplayLearner(ContinualLearner):
         loss = self.optimize(lambda: self.objective(self.forward_logits, images, labels, replay_x, replay_y))
         ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
         self.update_policy.update(self.buffer, images, labels, ctx)
-        ctx.stats.update(loss=loss, replayed=slots.numel())
+        # replayed samples of the incoming batch's classes: what lets new classes compete with the
+        # old ones under ACE, whose incoming term masks every absent class
+        ctx.stats.update(loss=loss, replayed=slots.numel(), replayed_incoming=int(torch.isin(replay_y, labels).sum()))
         return ctx.stats
 
     def state_dict(self) -> dict:

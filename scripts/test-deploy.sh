@@ -128,7 +128,9 @@ wait_healthy() {  # the container's HEALTHCHECK (readiness on its own port) pass
 
 ensure_engine
 [ -x "$PYTHON" ] || { echo "no $PYTHON: run bash scripts/test.sh (or scripts/install.sh) first" >&2; exit 1; }
+base_started=$(date +%s)
 ensure_base_image
+base_image_seconds=$(($(date +%s) - base_started))  # 0 when the image was there already
 torch_index=$(serve_torch_index)
 build() {  # target tag
   DOCKER_BUILDKIT=0 docker build --network host -f deploy/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
@@ -182,7 +184,7 @@ wait_healthy "$learner"
 restart_seconds=$(($(date +%s) - restart_started))
 "${smoke[@]}" verify ${OUT:+--out "$OUT"} --note "command=bash scripts/test-deploy.sh${OUT:+ --out $OUT}" \
   --note "machine=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores" \
-  --note "docker=$(docker version -f '{{.Server.Version}}')" --note "base_image=$BASE_IMAGE" \
+  --note "docker=$(docker version -f '{{.Server.Version}}')" --note "base_image=$BASE_IMAGE" --note "base_image_seconds=$base_image_seconds" \
   --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" \
   --note "build_seconds=$build_seconds" --note "memory_learner=$memory_learner" \
   --note "memory_replica=$memory_replica" --note "restart_to_healthy_seconds=$restart_seconds" \

@@ -86,6 +86,18 @@ def test_joint_ce_step_is_the_mean_cross_entropy_of_the_union(cifar10_slice):
     assert_same_weights(learner.model, model)
 
 
+def test_step_counts_replayed_samples_of_the_incoming_classes(cifar10_slice):
+    learner, (x2, y2) = replayed_after_first_batch("er", cifar10_slice)
+    (x1, y1), _ = two_batches(cifar10_slice)
+    # incoming: five images of class 0 (in memory) and five of class 2 (not); memory replays all
+    # ten samples of batch 1, five of which are class 0
+    mixed_x, mixed_y = torch.cat([x1[:5], x2[:5]]), torch.cat([y1[:5], y2[:5]])
+    stats = learner.observe(mixed_x, mixed_y)
+    assert stats["replayed"] == 10 and stats["replayed_incoming"] == 5
+    learner, _ = replayed_after_first_batch("er", cifar10_slice)
+    assert learner.observe(x2, y2)["replayed_incoming"] == 0  # classes 2 and 3: none in memory
+
+
 def head_gradient(learner, objective, images, labels, replay_x, replay_y):
     learner.model.zero_grad(set_to_none=True)
     objective(learner.forward_logits, images, labels, replay_x, replay_y).backward()
