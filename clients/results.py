@@ -51,11 +51,15 @@ def run_label(result: dict) -> str:
     'aser-mu (bf16-latent)'
     >>> run_label({"method": "er", "settings": {}, "via": "http://127.0.0.1:8000"})
     'er (via service)'
+    >>> run_label({"method": "sv-upd", "settings": {"loss": "ace", "train_per_class": 1000}})
+    'sv-upd (ace, 1000/class)'
     """
     settings = result.get("settings", {})
     modes = [settings[k] for k, default in (("step", "joint"), ("loss", "ce")) if settings.get(k, default) != default]
     modes += [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
               if settings.get(key)]
+    if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
+        modes.append(f"{settings['train_per_class']}/class")
     if result.get("via"):
         modes.append("via service")
     return result["method"] + (f" ({', '.join(modes)})" if modes else "")
@@ -76,25 +80,52 @@ def fmt(values: list[float]) -> str:
     return f"{mean:.1f} ± {ci:.1f}" if not math.isnan(ci) else f"{mean:.1f}"
 
 
+def new_task_accuracy(result: dict) -> float | None:
+    """Mean accuracy on each task right after learning it, tasks 2..T: how well new classes are
+    learned at all (task 1 has no old classes to compete with).
+
+    >>> new_task_accuracy({"accuracy_matrix": [[90.0, 0.0, 0.0], [50.0, 70.0, 0.0], [40.0, 30.0, 10.0]]})
+    40.0
+    """
+    diagonal = [row[i] for i, row in enumerate(result["accuracy_matrix"])][1:]
+    return sum(diagonal) / len(diagonal) if diagonal else None
+
+
+def incoming_replay_share(result: dict) -> float | None:
+    """Mean over tasks 2..T of the % of replayed samples whose class is in the incoming batch."""
+    share = result.get("replay_incoming_share", [])[1:]
+    return sum(share) / len(share) if share else None
+
+
+SUMMARY_COLUMNS = (  # header, value of one run (None where a run lacks it)
+    ("A_T (%)", lambda r: r.get("average_accuracy")),
+    ("F_T (%)", lambda r: r.get("average_forgetting")),
+    ("NCM A_T (%)", lambda r: r.get("average_accuracy_ncm")),
+    ("NCM F_T (%)", lambda r: r.get("average_forgetting_ncm")),
+    ("new-task acc. (%)", new_task_accuracy),
+    ("replayed of incoming classes (%)", incoming_replay_share),
+)
+
+
 def summary_table(groups: dict[tuple, list[dict]]) -> str:
     order = {m: i for i, m in enumerate(METHODS)}
-    lines = ["| dataset | M | configuration | seeds | A_T (%) | F_T (%) | NCM A_T (%) | NCM F_T (%) | train s / run |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    headers = " | ".join(h for h, _ in SUMMARY_COLUMNS)
+    lines = [f"| dataset | M | configuration | seeds | {headers} | train s / run |",
+             "|---|---|---|---|" + "---|" * len(SUMMARY_COLUMNS) + "---|"]
     for (dataset, mem, label), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
                                                                            order.get(kv[0][2].split()[0], 99),
                                                                            kv[0][2])):
-        def values(key):
-            return [r[key] for r in rs if r.get(key) is not None]
-
-        secs = sum(r["train_seconds"] for r in rs) / len(rs)
-        def cell(key):  # a column some runs lack (NCM, before it existed) says over how many
-            vs = values(key)
+        def cell(value):  # a column some runs lack (added later, or not a replay method) says over how many
+            vs = [v for v in map(value, rs) if v is not None]
             return fmt(vs) + (f" (n={len(vs)})" if vs and len(vs) < len(rs) else "")
 
-        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {cell('average_accuracy')} | "
-                     f"{cell('average_forgetting')} | {cell('average_accuracy_ncm')} | "
-                     f"{cell('average_forgetting_ncm')} | {secs:.0f} |")
-    return "\n".join(lines) + "\n\nMean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory.\n"
+        secs = sum(r["train_seconds"] for r in rs) / len(rs)
+        cells = " | ".join(cell(value) for _, value in SUMMARY_COLUMNS)
+        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {cells} | {secs:.0f} |")
+    return "\n".join(lines) + ("\n\nMean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory; "
+                               "new-task acc.: accuracy on each task right after it, tasks 2..T; replayed of "
+                               "incoming classes: share of the replayed samples whose class is in the incoming "
+                               "batch, tasks 2..T.\n")
 
 
 def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:

@@ -37,7 +37,7 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
     table = tmp_path / "table.md"
     assert main(["table", str(tmp_path / "res"), "--out", str(table), "--plot", str(tmp_path / "acc.png")]) == 0
     text = table.read_text()
-    assert "| cifar10 | 30 | er | 2 |" in text and "| cifar10 | - | iid-offline | 1 |" in text
+    assert "| cifar10 | 30 | er (20/class) | 2 |" in text and "| cifar10 | - | iid-offline (20/class) | 1 |" in text
     assert (tmp_path / "acc.png").stat().st_size > 1000
 
 

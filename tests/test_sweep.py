@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from clients.benchmark import main
-from clients.results import comparison_table, comparisons, paired_difference
+from clients.results import comparison_table, comparisons, paired_difference, summary_table
 from clients.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
 
 from .conftest import CIFAR10_ZIP
@@ -61,11 +61,11 @@ def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
 
     # the paired comparison of the two steps over the two seeds, and the per-seed plot
     table = tmp_path / "table.md"
-    assert main(["table", str(out), "--out", str(table), "--compare", "er", "er (separate)",
+    assert main(["table", str(out), "--out", str(table), "--compare", "er (20/class)", "er (separate, 20/class)",
                  "--seeds-plot", f"cifar10:30:{tmp_path / 'seeds.png'}"]) == 0
     text = table.read_text()
-    assert "| cifar10 | 30 | er (separate) | 2 |" in text
-    assert "| cifar10 | 30 | er | er (separate) | 2 |" in text
+    assert "| cifar10 | 30 | er (separate, 20/class) | 2 |" in text
+    assert "| cifar10 | 30 | er (20/class) | er (separate, 20/class) | 2 |" in text
     assert (tmp_path / "seeds.png").stat().st_size > 1000
 
 
@@ -112,3 +112,16 @@ def test_the_comparison_table_says_over_how_many_seeds_ncm_was_paired():
     line = comparison_table([row]).splitlines()[2]
     assert row["accuracy"]["seeds"] == 3 and row["ncm"]["seeds"] == 2
     assert line.endswith("-1.00 ± 0.00 (n=2) |") and "| 3 |" in line
+
+
+def test_the_summary_shows_how_well_new_classes_are_learned_and_replayed():
+    def run(seed, diagonal, share=None):
+        matrix = [[diagonal[i] if j == i else 10.0 for j in range(3)] for i in range(3)]
+        return {"seed": seed, "average_accuracy": 30.0, "accuracy_matrix": matrix, "train_seconds": 1.0,
+                **({"replay_incoming_share": share} if share else {})}
+
+    groups = {("cifar10", 1000, "er"): [run(0, [90.0, 60.0, 40.0], [100.0, 30.0, 20.0]),
+                                        run(1, [90.0, 70.0, 50.0])]}
+    line = summary_table(groups).splitlines()[2]
+    # new-task accuracy: tasks 2 and 3 only (50 and 60); replay share: tasks 2 and 3 of the one run with it
+    assert "| 55.0 ± 63.5 | 25.0 (n=1) |" in line
