@@ -13,6 +13,11 @@ class Metrics:
         self.requests_rejected = Counter("aser_requests_rejected", "Requests or messages refused with a 4xx",
                                          ["error"], registry=r)
         self.samples_trained = Counter("aser_samples_trained", "Samples the learner has trained on", registry=r)
+        self.samples_replayed = Counter("aser_samples_replayed", "Memory samples replayed in training steps",
+                                        registry=r)
+        self.replayed_incoming = Counter("aser_samples_replayed_incoming_class", "Replayed samples of a class "
+                                         "present in their step's incoming batch (under ASER_LOSS=ace the only "
+                                         "place new classes meet old ones)", registry=r)
         self.train_step = Histogram("aser_train_step_seconds", "Duration of one learner step",
                                     buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2), registry=r)
         self.predict_latency = Histogram("aser_predict_seconds", "Latency of predictions (decode + model)",

@@ -243,7 +243,9 @@ def test_python_client_covers_the_endpoints(server, jpegs):
 
 
 def test_metrics_in_prometheus_format(server, jpegs):
-    httpx.post(f"{server.url}/samples", json={"label": "airplane", "image": b64(jpegs[4][1])})
+    for image in (jpegs[4][1], jpegs[5][1]):  # two steps at least: the second replays from the memory
+        httpx.post(f"{server.url}/samples", json={"label": "airplane", "image": b64(image)})
+        wait_trained(server, status(server)["samples_received"])
     httpx.post(f"{server.url}/samples", json={"label": "airplane", "image": b64(b"junk")})
     httpx.get(f"{server.url}/predict", params={"image": base64.urlsafe_b64encode(jpegs[4][1]).decode()})
     wait_trained(server, status(server)["samples_received"])
@@ -254,6 +256,8 @@ def test_metrics_in_prometheus_format(server, jpegs):
     assert values['aser_requests_rejected_total{error="corrupt_image"}'] >= 1
     assert values["aser_train_step_seconds_count"] >= 1 and values["aser_predict_seconds_count"] >= 1
     assert values["aser_backlog_samples"] == 0 and values["aser_model_version"] >= 1
+    assert 0 <= values["aser_samples_replayed_incoming_class_total"] <= values["aser_samples_replayed_total"]
+    assert values["aser_samples_replayed_total"] >= 1
 
 
 def test_streaming_ingest_acknowledges_each_message(server, jpegs):
