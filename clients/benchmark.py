@@ -125,15 +125,15 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         for classes in tasks:
             t0 = time.perf_counter()
             learner.begin_task(classes)
-            replay_counts = [0, 0]  # replayed samples of the incoming batch's classes, all replayed
+            replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
             for x, y in task_batches(data, classes, args.batch_size, stream_gen):
                 stats = learner.observe(x, y)
-                replay_counts[0] += stats.get("replayed_incoming", 0)
-                replay_counts[1] += stats.get("replayed", 0)
+                replayed += stats.get("replayed", 0)
+                incoming += stats.get("replayed_incoming", 0)
                 bar.update(1)
             learner.end_task()
-            if replay_counts[1]:
-                replay_share.append(round(100 * replay_counts[0] / replay_counts[1], 2))
+            if replayed:
+                replay_share.append(round(100 * float(incoming) / replayed, 2))
             train_seconds += time.perf_counter() - t0
             record(evaluate(learner, data, tasks), matrix, ncm_matrix)
             bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")

@@ -49,8 +49,9 @@ class ReplayLearner(ContinualLearner):
         ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
         self.update_policy.update(self.buffer, images, labels, ctx)
         # replayed samples of the incoming batch's classes: what lets new classes compete with the
-        # old ones under ACE, whose incoming term masks every absent class
-        ctx.stats.update(loss=loss, replayed=slots.numel(), replayed_incoming=int(torch.isin(replay_y, labels).sum()))
+        # old ones under ACE, whose incoming term masks every absent class. A tensor, like the loss:
+        # reading it here would wait for the device every step
+        ctx.stats.update(loss=loss, replayed=slots.numel(), replayed_incoming=torch.isin(replay_y, labels).sum())
         return ctx.stats
 
     def state_dict(self) -> dict:

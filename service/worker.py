@@ -239,7 +239,7 @@ class LearnerWorker:
         self.metrics.train_step.observe(self.last_step_seconds)
         self.metrics.samples_trained.inc(len(entries))
         self.metrics.samples_replayed.inc(stats.get("replayed", 0))
-        self.metrics.replayed_incoming.inc(stats.get("replayed_incoming", 0))
+        self.metrics.replayed_incoming.inc(float(stats.get("replayed_incoming", 0)))
         self.publish()
         if self.learner.steps % self.settings.history_every_steps == 0:
             self._record_history(stats.get("loss"))

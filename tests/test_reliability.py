@@ -214,11 +214,12 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     real, calls = ReplayLearner.observe, []
 
     def observe_then_stop(self, images, labels):
-        real(self, images, labels)
+        stats = real(self, images, labels)
         calls.append(1)
         if len(calls) == 3:
             worker._stop.set()  # the shutdown request lands during the step ...
             raise RuntimeError("injected: ... and the step fails")
+        return stats
 
     monkeypatch.setattr(ReplayLearner, "observe", observe_then_stop)
     worker.start()
