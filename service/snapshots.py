@@ -168,7 +168,7 @@ class SnapshotStore:
             schema.executescript(SCHEMA)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx-export")
         self._process: ExportProcess | None = None
-        self._count_lock = threading.Lock()
+        self._count_changed = threading.Condition()
         self.in_flight = 0  # exports queued or running
         self.failures = 0
         try:
@@ -225,16 +225,16 @@ class SnapshotStore:
             self._count(in_flight=-1)
 
     def _count(self, in_flight: int = 0, failures: int = 0) -> None:
-        with self._count_lock:
+        with self._count_changed:
             self.in_flight += in_flight
             self.failures += failures
+            self._count_changed.notify_all()
 
     def purge(self, forgotten: list, wait_s: float = 300.0) -> int:
         """Remove the snapshots that hold a forgotten class: those with its label made before it
         was forgotten (exports in flight finish first). Returns how many were removed."""
-        deadline = time.time() + wait_s
-        while self.in_flight and time.time() < deadline:
-            time.sleep(0.05)
+        with self._count_changed:
+            self._count_changed.wait_for(lambda: not self.in_flight, timeout=wait_s)
         with self.db.write() as conn:
             rows = conn.execute("SELECT id, file, created, classes FROM snapshots").fetchall()
             doomed = [r for r in rows if any(f.label in json.loads(r["classes"]) and r["created"] < f.at
