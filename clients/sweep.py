@@ -20,7 +20,8 @@ the file names. Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
 with the threads split between them, blocks in order and seeds interleaved (so paired
-configurations fill up together). A run holds `<file>.lock` while it works and writes its result
+configurations fill up together). The grid is read again before each run starts, so a running
+sweep follows edits to it (blocks reordered or added) from its next run on. A run holds `<file>.lock` while it works and writes its result
 under a temporary name, renamed when complete: two sweeps never write the same file, and a lock
 left by a process that died is taken over.
 """
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,12 +92,18 @@ class RunSpec:
 
 
 def read_grid(path: Path) -> dict:
+    """The grid in `path`; ValueError if a block lacks an axis or a dataset lacks its [data] path."""
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(text)
-    return tomllib.loads(text)
+        grid = yaml.safe_load(text)
+    else:
+        grid = tomllib.loads(text)
+    unknown = {s.dataset for s in expand(grid)} - set(grid.get("data", {}))
+    if unknown:
+        raise ValueError(f"no [data] path for {sorted(unknown)}")
+    return grid
 
 
 def seeds(value) -> list[int]:
@@ -184,9 +191,11 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
 
 def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, device: str = "auto",
           log_dir: Path = Path(".cache/sweep-logs"), dry_run: bool = False, printer=print) -> tuple[list[Path], int]:
-    """Run what is missing; returns the result files written by this call and the count of failed runs."""
+    """Run what is missing; returns the result files written by this call and the count of failed runs.
+    The grid is read again before each run starts, so edits to a running sweep's grid (order,
+    new blocks) take effect at the next run."""
     grid = read_grid(grid_path)
-    todo = [s for s in expand(grid) if not (out / s.dataset / s.file_name()).exists()]
+    todo = missing(grid, out)
     printer(f"{len(todo)} runs to do in {out} ({len(expand(grid)) - len(todo)} already there)")
     if dry_run:
         for s in todo:
@@ -194,26 +203,57 @@ def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, dev
         return [], 0
     per_job = max(1, (threads or os.cpu_count() or 1) // jobs)
     written: list[Path] = []
-    failed = 0
+    failed, finished = 0, 0
+    tried: set[RunSpec] = set()  # started by this call: a failed run is not retried in a loop
+    running: dict[Future, RunSpec] = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_one, s, grid["data"][s.dataset], out / s.dataset / s.file_name(), per_job,
-                               device, log_dir): s for s in todo}
-        for done, future in enumerate(as_completed(futures), 1):
-            spec = futures[future]
-            target = out / spec.dataset / spec.file_name()
-            try:
-                result = future.result()
-            except Exception as exc:  # one failed run does not stop the sweep
-                printer(f"[{done}/{len(todo)}] FAILED {exc}")
-                failed += 1
-                continue
-            if result is None:
-                printer(f"[{done}/{len(todo)}] skipped {target} (done or held by another sweep)")
-                continue
-            written.append(target)
-            printer(f"[{done}/{len(todo)}] {spec.dataset} {target.stem}: A_T {result['average_accuracy']:.2f}"
-                    f"{_ncm(result)}, {result['train_seconds']:.0f} s training -> {target}")
-    return written, failed
+        while True:
+            while len(running) < jobs:
+                grid = reread(grid_path, grid, printer)
+                spec = next((s for s in missing(grid, out) if s not in tried), None)
+                if spec is None:
+                    break
+                tried.add(spec)
+                running[pool.submit(run_one, spec, grid["data"][spec.dataset], out / spec.dataset / spec.file_name(),
+                                    per_job, device, log_dir)] = spec
+            if not running:
+                return written, failed
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                spec, finished = running.pop(future), finished + 1
+                target = out / spec.dataset / spec.file_name()
+                to_go = len(running) + sum(s not in tried for s in missing(grid, out))
+                outcome = _report(future, spec, target, f"[{finished} done, {to_go} to go]", printer)
+                written += [target] if outcome else []
+                failed += outcome is False
+
+
+def _report(future: Future, spec: RunSpec, target: Path, progress: str, printer) -> bool | None:
+    """Print a finished run's line: True if it wrote its file, None if skipped, False if it failed."""
+    try:
+        result = future.result()
+    except Exception as exc:  # one failed run does not stop the sweep
+        printer(f"{progress} FAILED {exc}")
+        return False
+    if result is None:
+        printer(f"{progress} skipped {target} (done or held by another sweep)")
+        return None
+    printer(f"{progress} {spec.dataset} {target.stem}: A_T {result['average_accuracy']:.2f}"
+            f"{_ncm(result)}, {result['train_seconds']:.0f} s training -> {target}")
+    return True
+
+
+def missing(grid: dict, out: Path) -> list[RunSpec]:
+    """The grid's combinations whose result file is not in `out`, in the order they run."""
+    return [s for s in expand(grid) if not (out / s.dataset / s.file_name()).exists()]
+
+
+def reread(grid_path: Path, grid: dict, printer) -> dict:
+    """The grid as the file now says, or `grid` unchanged if an edit left it unreadable."""
+    try:
+        return read_grid(grid_path)
+    except Exception as exc:  # whatever the edit broke (TOML, YAML, a block), hours of runs go on
+        printer(f"{grid_path} unreadable ({exc}); going on with the grid as last read")
+        return grid
 
 
 def _ncm(result: dict) -> str:

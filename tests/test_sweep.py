@@ -69,6 +69,32 @@ def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
     assert (tmp_path / "seeds.png").stat().st_size > 1000
 
 
+def test_a_running_sweep_follows_edits_to_its_grid(tmp_path, cache_dir):
+    """A block added at the top while the sweep runs goes next; a grid broken by an edit is
+    reported and the sweep goes on with the grid as last read."""
+    grid, out = tmp_path / "grid.toml", tmp_path / "results"
+    first = GRID.format(data=CIFAR10_ZIP, cache=cache_dir).replace('step = ["joint", "separate"]', "")
+    grid.write_text(first)
+    lines: list[str] = []
+
+    def edit_after_each_run(line: str) -> None:
+        lines.append(line)
+        finished = sum("A_T" in x for x in lines)
+        if "A_T" in line and finished == 1:  # separate-step ER on seed 0, ahead of the rest
+            grid.write_text(first.replace("[[runs]]", '[[runs]]\ndataset = "cifar10"\nmethod = "er"\nstep = "separate"\n'
+                                          'mem_size = 30\nseed = 0\ntrain_per_class = 20\ntest_per_class = 10\n'
+                                          f'cache_dir = "{cache_dir}"\n\n[[runs]]', 1))
+        elif "A_T" in line and finished == 2:
+            grid.write_text("[[runs]\nbroken")
+
+    written, failed = sweep(grid, out, jobs=1, threads=1, log_dir=tmp_path / "logs", printer=edit_after_each_run)
+    assert failed == 0
+    assert [p.name for p in written] == ["er-m30-seed0.json", "er-separate-m30-seed0.json", "er-m30-seed1.json"]
+    assert any("unreadable" in line for line in lines)
+    assert [line.split("]")[0] for line in lines if "A_T" in line] == ["[1 done, 1 to go", "[2 done, 1 to go",
+                                                                       "[3 done, 0 to go"]
+
+
 def test_a_held_lock_is_respected_and_a_dead_ones_taken_over(tmp_path, cache_dir):
     spec = RunSpec("cifar10", "er", 30, "joint", "ce", "fp32", 5,
                    extra=(("cache_dir", str(cache_dir)), ("test_per_class", 10), ("train_per_class", 20)))
