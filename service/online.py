@@ -30,7 +30,8 @@ from .store import by_label
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS history (samples_trained INTEGER PRIMARY KEY, steps INTEGER NOT NULL, at REAL NOT NULL,
     accuracy REAL, window_accuracy REAL, new_class_samples INTEGER NOT NULL, loss REAL, step_ms REAL NOT NULL,
-    received INTEGER NOT NULL, backlog INTEGER NOT NULL, per_class TEXT NOT NULL, memory TEXT NOT NULL);
+    received INTEGER NOT NULL, backlog INTEGER NOT NULL, per_class TEXT NOT NULL, memory TEXT NOT NULL,
+    replayed_incoming_share REAL);
 """
 
 
@@ -116,6 +117,9 @@ class HistoryPoint(BaseModel):
     backlog: int
     per_class: dict[str, float] = Field(description="cumulative online accuracy per class")
     memory: dict[str, int] = Field(description="replay memory: samples per class")
+    replayed_incoming_share: float | None = Field(
+        None, description="% of the samples replayed since the previous point whose class was in the incoming batch "
+                          "(none replayed: null); near 0 under ASER_LOSS=ace, new classes never meet the old ones")
 
 
 class History:
@@ -126,6 +130,8 @@ class History:
         self.db = db
         with db.schema() as schema:
             schema.executescript(SCHEMA)
+            if "replayed_incoming_share" not in schema["history"].columns_dict:  # databases of earlier versions
+                schema["history"].add_column("replayed_incoming_share", float)
 
     def add(self, point: HistoryPoint) -> bool:
         with self.db.write() as conn:

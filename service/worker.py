@@ -124,6 +124,7 @@ class LearnerWorker:
         self._failures: Counter[int] = Counter()  # seq -> failed steps it took part in
         self._in_step: list[int] = []
         self.last_step_seconds = 0.0
+        self._replayed_since_point = [0, 0.0]  # replayed samples, of them of an incoming class
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
@@ -238,8 +239,11 @@ class LearnerWorker:
             self._failures.pop(e.seq, None)
         self.metrics.train_step.observe(self.last_step_seconds)
         self.metrics.samples_trained.inc(len(entries))
-        self.metrics.samples_replayed.inc(stats.get("replayed", 0))
-        self.metrics.replayed_incoming.inc(float(stats.get("replayed_incoming", 0)))
+        replayed, incoming = stats.get("replayed", 0), float(stats.get("replayed_incoming", 0))
+        self.metrics.samples_replayed.inc(replayed)
+        self.metrics.replayed_incoming.inc(incoming)
+        self._replayed_since_point[0] += replayed
+        self._replayed_since_point[1] += incoming
         self.publish()
         if self.learner.steps % self.settings.history_every_steps == 0:
             self._record_history(stats.get("loss"))
@@ -256,6 +260,7 @@ class LearnerWorker:
     def _record_history(self, loss) -> None:
         """One point of the time series; a failure to write it never stops training."""
         classes = self.predictor.classes
+        replayed, incoming = self._replayed_since_point
         point = HistoryPoint(
             samples_trained=self.learner.samples_seen, steps=self.learner.steps, at=time.time(),
             accuracy=self.online.accuracy, window_accuracy=self.online.window_accuracy,
@@ -263,7 +268,9 @@ class LearnerWorker:
             step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
             backlog=self.store.pending(self.trained_upto),
             per_class=by_label(classes, {c: right / n for c, (right, n) in self.online.per_class().items()}),
-            memory=by_label(classes, self.memory.class_counts()))
+            memory=by_label(classes, self.memory.class_counts()),
+            replayed_incoming_share=round(100 * incoming / replayed, 2) if replayed else None)
+        self._replayed_since_point = [0, 0.0]
         try:
             self.history.add(point)
         except Exception:

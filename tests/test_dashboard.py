@@ -70,6 +70,7 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         legend = browser.execute_script("return document.querySelector('#chart-accuracy .legend').innerText")
         assert "airplane" in legend and "frog" in legend
         assert int(browser.find_element(By.ID, "chart-step").get_attribute("data-points")) > 0
+        assert int(browser.find_element(By.ID, "chart-replay").get_attribute("data-points")) > 0
         bars = browser.execute_script("return [...document.querySelectorAll('#memory-bars .bar')]"
                                       ".map(b => b.dataset.label)")
         assert set(bars) == {"airplane", "frog"}

@@ -76,6 +76,9 @@ def test_history_is_a_forward_series_that_survives_a_restart(trained):
     last = points[-1]
     assert set(last["memory"]) == {"airplane", "frog"} and sum(last["memory"].values()) == 100
     assert last["received"] == 2 * N_PER_CLASS and last["step_ms"] > 0 and last["loss"] > 0
+    # interleaved classes: ER's random replay draws mostly the classes of the incoming batch
+    shares = [p["replayed_incoming_share"] for p in points]
+    assert all(0 <= s <= 100 for s in shares) and sum(shares) / len(shares) > 75
     page = httpx.get(f"{server.url}/history", params={"since": points[2]["samples_trained"], "limit": 3}).json()
     assert page == points[3:6]
     assert httpx.get(f"{server.url}/history", params={"limit": 0}).status_code == 422
@@ -91,6 +94,30 @@ def test_history_is_a_forward_series_that_survives_a_restart(trained):
     after = httpx.get(f"{server.url}/history").json()
     assert after[: len(points)] == points and len(after) > len(points)
     assert all(a["samples_trained"] < b["samples_trained"] for a, b in zip(after, after[1:]))
+
+
+def test_a_history_of_an_earlier_version_gains_the_replay_share(tmp_path):
+    """A database written before the replay share existed: its points read back without it, and
+    new points carry it."""
+    import sqlite3
+
+    from service.db import Database
+    from service.online import History, HistoryPoint
+
+    old = sqlite3.connect(tmp_path / "aser.db")
+    old.execute("CREATE TABLE history (samples_trained INTEGER PRIMARY KEY, steps INTEGER NOT NULL, at REAL NOT NULL,"
+                " accuracy REAL, window_accuracy REAL, new_class_samples INTEGER NOT NULL, loss REAL, step_ms REAL NOT"
+                " NULL, received INTEGER NOT NULL, backlog INTEGER NOT NULL, per_class TEXT NOT NULL, memory TEXT NOT NULL)")
+    old.execute("INSERT INTO history VALUES (10, 1, 0.0, NULL, NULL, 10, 2.3, 5.0, 10, 0, '{}', '{\"frog\": 10}')")
+    old.commit()
+    old.close()
+    history = History(Database(tmp_path / "aser.db"))
+    point = HistoryPoint(samples_trained=20, steps=2, at=1.0, accuracy=0.5, window_accuracy=0.5, new_class_samples=10,
+                         loss=2.0, step_ms=5.0, received=20, backlog=0, per_class={}, memory={"frog": 20},
+                         replayed_incoming_share=40.0)
+    assert history.add(point)
+    before, after = history.since(0, 10)
+    assert before.replayed_incoming_share is None and before.memory == {"frog": 10} and after == point
 
 
 def test_memory_lists_its_slots_and_serves_their_images(trained):
