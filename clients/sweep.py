@@ -21,9 +21,10 @@ the file names. Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
 with the threads split between them, blocks in order and seeds interleaved (so paired
 configurations fill up together). The grid is read again before each run starts, so a running
-sweep follows edits to it (blocks reordered or added) from its next run on. A run holds `<file>.lock` while it works and writes its result
-under a temporary name, renamed when complete: two sweeps never write the same file, and a lock
-left by a process that died is taken over.
+sweep follows edits to it (blocks reordered or added) from its next run on. A run holds
+`<file>.lock` while it works and writes its result under a temporary name, renamed when
+complete: two sweeps never write the same file, and a lock left by a process that died is taken
+over.
 """
 
 from __future__ import annotations
@@ -191,9 +192,8 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
 
 def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, device: str = "auto",
           log_dir: Path = Path(".cache/sweep-logs"), dry_run: bool = False, printer=print) -> tuple[list[Path], int]:
-    """Run what is missing; returns the result files written by this call and the count of failed runs.
-    The grid is read again before each run starts, so edits to a running sweep's grid (order,
-    new blocks) take effect at the next run."""
+    """Run what is missing, reading the grid again before each run; returns the result files
+    written by this call and the count of failed runs."""
     grid = read_grid(grid_path)
     todo = missing(grid, out)
     printer(f"{len(todo)} runs to do in {out} ({len(expand(grid)) - len(todo)} already there)")
