@@ -1,7 +1,7 @@
 """Load benchmark of the service on loopback: ingest rate against training rate, and predict
 latency while the learner trains.
 
-It starts a fresh service (its defaults: ASER_mu, M=1000, CPU) on a free loopback port with a
+It starts a fresh service (its defaults: M=1000, CPU; the method is recorded) on a free loopback port with a
 temporary data directory, or uses --url. Then:
 1. ingest: `--ingest-clients` threads POST batches of real CIFAR-10 JPEGs for `--seconds`;
    reports acknowledged samples/s and, over the same window, samples/s trained (the ingest

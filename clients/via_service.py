@@ -59,8 +59,10 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     """Stream the class-incremental benchmark through the service at args.via; returns the record."""
     client = ServiceClient(args.via, token=args.token, timeout=600)
     st = client.status()
-    if st["method"] != args.method:
-        raise SystemExit(f"error: the service at {args.via} runs {st['method']!r}, not {args.method!r}")
+    served = (st["method"], st["config"].get("step", "joint"), st["config"].get("loss", "ce"))
+    if served != (args.method, args.step, args.loss):
+        raise SystemExit(f"error: the service at {args.via} runs method, step, loss {served}, "
+                         f"not {(args.method, args.step, args.loss)}")
     if st["samples_received"]:
         raise SystemExit(f"error: {args.via} has already received {st['samples_received']} samples; "
                          "--via needs a fresh service (an empty data directory)")

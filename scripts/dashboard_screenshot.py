@@ -1,4 +1,4 @@
-"""Take docs/dashboard.png: the service on its defaults (ASER_mu) learns a class-incremental
+"""Take docs/dashboard.png: the service on its defaults learns a class-incremental
 stream of real CIFAR-10 images (three tasks of two classes, 400 images per class) while the
 dashboard, in headless Chromium, watches; the memory browser shows one class.
 

@@ -21,6 +21,7 @@ from learner.base import ContinualLearner
 
 from .db import Database
 from .durable import write_durably
+from .errors import IncompatibleCheckpoint
 from .store import images_from_blobs
 
 SCHEMA = """
@@ -31,9 +32,14 @@ CREATE TABLE IF NOT EXISTS buffer (slot INTEGER PRIMARY KEY, class_id INTEGER NO
 
 
 class CheckpointStore:
-    def __init__(self, db: Database, directory: Path):
+    """`identity`: the settings that decide how the learner trains (ASER_METHOD and the like), saved
+    with each checkpoint; a restore under others is refused, since it would train the lineage on
+    otherwise than it was trained, or fail on weights of another form."""
+
+    def __init__(self, db: Database, directory: Path, identity: dict[str, str] | None = None):
         self.db = db
         self.directory = directory
+        self.identity = identity or {}
         directory.mkdir(parents=True, exist_ok=True)
         with db.schema() as schema:
             schema.executescript(SCHEMA)
@@ -47,7 +53,7 @@ class CheckpointStore:
         """Persist the lineage (and `extra`, the service's own state of the same moment); returns the
         checkpoint id once committed."""
         state = learner.state_dict()
-        state["service_extra"] = extra or {}
+        state["service_extra"] = {**(extra or {}), "identity": self.identity}
         buffer = state.pop("buffer", None)
         if buffer is not None:
             state["buffer_meta"] = {k: v for k, v in buffer.items() if k not in ("images", "labels")}
@@ -79,6 +85,7 @@ class CheckpointStore:
             return 0, {}
         state = torch.load(self.directory / row["file"], weights_only=True, map_location=learner.device)
         extra = state.pop("service_extra", {})
+        self._check_identity(row["file"], state["method"], extra.pop("identity", None), learner)
         meta = state.pop("buffer_meta", None)
         if meta is not None:
             with self.db.read() as conn:
@@ -89,6 +96,17 @@ class CheckpointStore:
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)
         return row["trained_upto"], extra
+
+    def _check_identity(self, file: str, name: str, identity: dict | None, learner: ContinualLearner) -> None:
+        """`identity` is None in checkpoints from before it was saved: then the learner's name decides."""
+        if name == learner.name and identity in (None, self.identity):
+            return
+        def say(settings):
+            return " ".join(f"{k}={v}" for k, v in settings.items())
+        made = f"a {name} learner" + (f" ({say(identity)})" if identity else "")
+        raise IncompatibleCheckpoint(
+            f"the checkpoint {file} is of {made}, and these settings make a {learner.name} learner "
+            f"({say(self.identity)}): start with the settings it was trained with, or with an empty data directory")
 
     @staticmethod
     def forget_rows(conn, class_id: int) -> None:

@@ -44,6 +44,12 @@ class NoSnapshotYet(ServiceError):
     code = "no_snapshot"
 
 
+class IncompatibleCheckpoint(ServiceError):
+    """The data directory's checkpoint is of another learner than the settings build (at start-up)."""
+
+    code = "incompatible_checkpoint"
+
+
 class Unavailable(ServiceError):
     """A dependency of the request is not ready now; retrying later may succeed."""
 

@@ -5,6 +5,12 @@
 >>> Settings(method="icarl").check_learner()
 Traceback (most recent call last):
 ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
+>>> Settings(method="ewc").replay_objective()  # ASER_LOSS's default (ace) is the replay methods'
+{}
+>>> Settings(method="ewc", loss="ce").check_learner()  # what EWC minimises anyway
+>>> Settings(method="ewc", loss="ace").check_learner()
+Traceback (most recent call last):
+ValueError: ASER_STEP and ASER_LOSS apply to the replay methods, not ewc
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 
-    # the learner: ASER_mu with the paper's CIFAR-10 settings on 32x32 RGB images
-    method: str = "aser-mu"
+    # the learner: ASER's KNN-SV memory update with random retrieval and the ACE loss (the best ASER
+    # configuration on Split CIFAR-10, README "Results"), the paper's CIFAR-10 settings, 32x32 RGB
+    method: str = "sv-upd"
     image_size: int = Field(32, ge=8, le=512)
     mem_size: int = Field(1000, ge=0)
     batch_size: int = Field(10, ge=1)
@@ -36,7 +43,7 @@ class Settings(BaseSettings):
     lr: float = Field(0.1, gt=0)
     step: Literal["joint", "separate"] = Field("joint", description="replay step: one forward pass of incoming + "
                                                "replayed samples (joint) or two with summed losses (separate)")
-    loss: Literal["ce", "ace"] = Field("ce", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
+    loss: Literal["ce", "ace"] = Field("ace", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
                                        "cross-entropy (ace)")
     device: str = "auto"
     latent_bf16: bool = Field(False, description="the memory policies' feature passes in bf16 (training and "
@@ -80,11 +87,24 @@ class Settings(BaseSettings):
 
         if self.method not in METHODS:
             raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.method not in REPLAY_METHODS and (self.step, self.loss) != ("joint", "ce"):
+        chosen = {f: getattr(self, f) for f in ("step", "loss") if f in self.model_fields_set}
+        if self.method not in REPLAY_METHODS and chosen.items() - {("step", "joint"), ("loss", "ce")}:
             raise ValueError(f"ASER_STEP and ASER_LOSS apply to the replay methods, not {self.method}")
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")
+
+    def replay_objective(self) -> dict:
+        """`step` and `loss` for the learner: their defaults are the replay methods'; the other
+        methods (EWC, A-GEM, fine-tune) have a loss of their own and take neither."""
+        from learner.methods import REPLAY_METHODS
+
+        return {"step": self.step, "loss": self.loss} if self.method in REPLAY_METHODS else {}
+
+    def learner_identity(self) -> dict[str, str]:
+        """The settings that decide how the learner trains, as environment variables: a checkpoint
+        made under some does not go on under others."""
+        return {f"ASER_{k.upper()}": v for k, v in {"method": self.method, **self.replay_objective()}.items()}
 
     @property
     def database_path(self) -> Path:

@@ -217,4 +217,6 @@ def images_from_blobs(blobs: list[bytes], shape) -> torch.Tensor:
     for i, b in enumerate(blobs):
         if len(b) != size:
             raise ValueError(f"stored image {i} has {len(b)} bytes, expected {size} for shape {tuple(shape)}")
+    if not blobs:  # an empty memory (ASER_MEM_SIZE=0, or its classes forgotten): frombuffer refuses 0 bytes
+        return torch.empty((0, *shape), dtype=torch.uint8)
     return torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(len(blobs), *shape)

@@ -112,7 +112,7 @@ class LearnerWorker:
         self.store = store
         self.device = resolve_device(settings.device)
         self.image_shape = (3, settings.image_size, settings.image_size)
-        self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints", settings.learner_identity())
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
         self.history = History(db)
@@ -152,7 +152,7 @@ class LearnerWorker:
     def _build_learner(self) -> ContinualLearner:
         s = self.settings
         return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
-                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, step=s.step, loss=s.loss,
+                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, **s.replay_objective(),
                             device=self.device, seed=s.seed, image_shape=self.image_shape,
                             latent_dtype=torch.bfloat16 if s.latent_bf16 else None)
 

@@ -54,7 +54,10 @@ def test_via_streams_through_a_real_service(tmp_path, cache_dir):
     server = Server(tmp_path / "svc", method="er", mem_size=30, max_batch_wait_s=0.2).start()
     try:
         out = tmp_path / "via.json"
-        assert run(tmp_path, cache_dir, "er", out, "--via", server.url, "--seed", "3") == 0
+        # the service trains ER with its default loss, ACE: a run that says otherwise is refused, unsent
+        with pytest.raises(SystemExit, match=r"runs method, step, loss \('er', 'joint', 'ace'\)"):
+            run(tmp_path, cache_dir, "er", out, "--via", server.url)
+        assert run(tmp_path, cache_dir, "er", out, "--via", server.url, "--loss", "ace", "--seed", "3") == 0
         r = json.loads(out.read_text())
         assert r["via"] == server.url and r["method"] == "er" and r["mem_size"] == 30 and r["seed"] == 3
         assert len(r["accuracy_matrix"]) == 5 and all(len(row) == 5 for row in r["accuracy_matrix"])
@@ -63,6 +66,6 @@ def test_via_streams_through_a_real_service(tmp_path, cache_dir):
         assert all(r["accuracy_matrix"][i][j] == 0 for i in range(5) for j in range(i + 1, 5))
         # the service is no longer fresh: a second run is refused
         with pytest.raises(SystemExit, match="fresh service"):
-            run(tmp_path, cache_dir, "er", out, "--via", server.url)
+            run(tmp_path, cache_dir, "er", out, "--via", server.url, "--loss", "ace")
     finally:
         server.stop()

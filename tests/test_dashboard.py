@@ -53,6 +53,7 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
     try:
         browser.get(server.url + "/")
         wait(browser, lambda d: counter(d, "samples trained") == "0")
+        assert browser.find_element(By.ID, "state").text == "learning · er + ace"  # ASER_LOSS's default
         assert browser.find_element(By.ID, "login").get_attribute("hidden") is not None  # no token needed
         # nothing comes from the internet: every script and style is the service's own
         for element in browser.find_elements(By.CSS_SELECTOR, "script[src], link[href]"):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,8 +17,10 @@ import pytest
 import torch
 
 from clients.api import ServiceClient
+from clients.local_service import free_port
 from service.checkpoints import CheckpointStore
 from service.db import Database
+from service.errors import IncompatibleCheckpoint
 from service.settings import Settings
 from service.snapshots import SnapshotStore
 from service.store import IngestLog, NewSample
@@ -164,8 +169,8 @@ def test_snapshots_export_in_another_process_while_training_goes_on(tmp_path, ci
 
 # --- 3. supervision: a failed step persists nothing, and training restarts from the checkpoint ----
 def worker_for(tmp_path, data, n: int, **overrides) -> LearnerWorker:
-    settings = Settings(data_dir=tmp_path, method="er", mem_size=30, batch_size=5, max_batch_wait_s=0,
-                        snapshot_every_steps=0, **overrides)
+    settings = Settings(**{"data_dir": tmp_path, "method": "er", "mem_size": 30, "batch_size": 5, "max_batch_wait_s": 0,
+                           "snapshot_every_steps": 0, **overrides})
     db = Database(settings.database_path)
     store = IngestLog(db, (3, 32, 32))
     names = data.class_names
@@ -235,6 +240,35 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     until(lambda: again.predictor.samples_trained == 20)
     again.stop()
     assert again.learner.steps == 4
+
+
+def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar10_slice):
+    """ASER_MEM_SIZE=0: the checkpoint holds an empty memory, and a restart still restores it."""
+    worker = worker_for(tmp_path, cifar10_slice, 20, mem_size=0, checkpoint_every_steps=2)
+    worker.start()
+    until(lambda: worker.predictor.samples_trained == 20)
+    worker.stop()
+    again = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)
+    assert again.trained_upto == 20 and again.learner.steps == 4 and len(again.learner.buffer) == 0
+
+
+def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp_path, cifar10_slice):
+    """A data directory trained as ER (with the default loss, ACE) goes on neither as ASER_mu nor
+    as ER with cross-entropy: the worker, and the real service at start-up, say which settings
+    made it."""
+    worker = worker_for(tmp_path, cifar10_slice, 10, checkpoint_every_steps=1)
+    worker.start()
+    until(lambda: worker.predictor.samples_trained == 10)
+    worker.stop()
+    made_by = "ASER_METHOD=er ASER_STEP=joint ASER_LOSS=ace"
+    for other in ({"method": "aser-mu"}, {"loss": "ce"}):
+        with pytest.raises(IncompatibleCheckpoint, match=made_by):
+            LearnerWorker(worker.settings.model_copy(update=other), worker.checkpoints.db, worker.store)
+
+    env = {**os.environ, "ASER_DATA_DIR": str(tmp_path), "ASER_METHOD": "aser-mu", "ASER_PORT": str(free_port())}
+    service = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=120)
+    assert service.returncode != 0 and made_by in service.stderr
+    assert worker.checkpoints.latest()["trained_upto"] == 10  # nothing changed
 
 
 def test_a_sample_that_always_fails_is_quarantined(tmp_path, jpegs):

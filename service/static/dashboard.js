@@ -43,7 +43,8 @@ function counters(st) {
   $("counters").innerHTML = items.map(([name, value]) =>
     `<div class="counter" data-name="${name}"><b>${value}</b><span>${name}</span></div>`).join("");
   const ok = st.worker.alive;
-  $("state").textContent = ok ? `learning · ${st.method}` : "worker stopped";
+  const loss = st.config.loss ? ` + ${st.config.loss}` : "";  // replay methods only
+  $("state").textContent = ok ? `learning · ${st.method}${loss}` : "worker stopped";
   $("state").className = "pill " + (ok ? "ok" : "bad");
   $("updated").textContent = "updated " + new Date().toLocaleTimeString();
 }
