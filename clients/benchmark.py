@@ -83,7 +83,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
     if args.via:
         from .via_service import run_via
 
-        bar = _progress(stream_steps(data, data.tasks(args.tasks), args.batch_size),
+        bar = _progress(stream_steps(data, data.tasks(args.tasks), args.batch_size, args.one_class_batches),
                         f"{args.method} via {args.via} seed {seed}", progress)
         result = run_via(args, data, seed, bar)
         bar.close()
@@ -106,7 +106,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
     if iid:
         n_steps = epochs * math.ceil(len(data.train_y) / args.batch_size)
     else:
-        n_steps = stream_steps(data, tasks, args.batch_size)
+        n_steps = stream_steps(data, tasks, args.batch_size, args.one_class_batches)
     bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
     matrix: list[list[float]] = []
     ncm_matrix: list[list[float]] = []
@@ -126,7 +126,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
             t0 = time.perf_counter()
             learner.begin_task(classes)
             replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
-            for x, y in task_batches(data, classes, args.batch_size, stream_gen):
+            for x, y in task_batches(data, classes, args.batch_size, stream_gen, args.one_class_batches):
                 stats = learner.observe(x, y)
                 replayed += stats.get("replayed", 0)
                 incoming += stats.get("replayed_incoming", 0)
@@ -155,8 +155,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch, "epochs": epochs,
-            "exclude_current_task": args.exclude_current_task, "bf16": args.bf16, "bf16_latent": args.bf16_latent,
-            "compile": args.compile,
+            "exclude_current_task": args.exclude_current_task, "one_class_batches": args.one_class_batches,
+            "bf16": args.bf16, "bf16_latent": args.bf16_latent, "compile": args.compile,
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
         },
@@ -175,9 +175,10 @@ def record(evaluation: tuple, matrix: list, ncm_matrix: list) -> None:
         ncm_matrix.append(nearest)
 
 
-def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int) -> int:
-    """Mini-batches in one pass over the class-incremental stream."""
-    return sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(t)).sum()) / batch_size) for t in tasks)
+def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int, one_class: bool = False) -> int:
+    """Mini-batches in one pass over the class-incremental stream (`task_batches`)."""
+    groups = [[c] for t in tasks for c in t] if one_class else tasks
+    return sum(math.ceil(int(torch.isin(data.train_y, torch.tensor(g)).sum()) / batch_size) for g in groups)
 
 
 def _command() -> str:
@@ -277,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay methods: cross-entropy (ce) or ER-ACE's asymmetric cross-entropy (ace)")
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
+    run.add_argument("--one-class-batches", action="store_true",
+                     help="each incoming batch holds one class, the task's classes taking turns (a device that "
+                          "sees one class at a time); by default a task's samples are shuffled")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast (off by default)")
     run.add_argument("--bf16-latent", action="store_true",
                      help="bf16 for the memory policies' feature passes only; training stays fp32")

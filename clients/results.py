@@ -53,11 +53,15 @@ def run_label(result: dict) -> str:
     'er (via service)'
     >>> run_label({"method": "sv-upd", "settings": {"loss": "ace", "train_per_class": 1000}})
     'sv-upd (ace, 1000/class)'
+    >>> run_label({"method": "er", "settings": {"loss": "ace", "one_class_batches": True}})
+    'er (ace, one-class batches)'
     """
     settings = result.get("settings", {})
     modes = [settings[k] for k, default in (("step", "joint"), ("loss", "ce")) if settings.get(k, default) != default]
     modes += [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
               if settings.get(key)]
+    if settings.get("one_class_batches"):
+        modes.append("one-class batches")
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
         modes.append(f"{settings['train_per_class']}/class")
     if result.get("via"):

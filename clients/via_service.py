@@ -74,7 +74,7 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
         for classes in tasks:
             t0 = time.perf_counter()
             batches = ((([data.class_names[int(c)] for c in y], [png_bytes(img) for img in x]))
-                       for x, y in task_batches(data, classes, args.batch_size, stream_gen))
+                       for x, y in task_batches(data, classes, args.batch_size, stream_gen, args.one_class_batches))
             for ack in ws.pipeline(batches, window=16):
                 if "error" in ack:
                     raise RuntimeError(f"the service refused a batch: {ack}")
@@ -97,6 +97,6 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
         "steps": st["steps"],
         "settings": {**st["config"], "train_samples": int(data.train_y.numel()),
                      "test_samples": int(data.test_y.numel()), "train_per_class": args.train_per_class,
-                     "test_per_class": args.test_per_class},
+                     "test_per_class": args.test_per_class, "one_class_batches": args.one_class_batches},
         "device": st["device"],
     }

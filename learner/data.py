@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 import pickle
 import zipfile
@@ -323,13 +324,26 @@ def _cached(path: Path, name: str, train_per_class, test_per_class, cache_dir) -
 
 
 # --- streams -----------------------------------------------------------------------------------
-def task_batches(data: ImageDataset, classes: list[int], batch_size: int, generator: torch.Generator):
-    """One task's training samples, shuffled, in mini-batches (the last one may be smaller)."""
-    idx = torch.nonzero(torch.isin(data.train_y, torch.tensor(classes))).flatten()
-    idx = idx[torch.randperm(idx.numel(), generator=generator)]
-    for i in range(0, idx.numel(), batch_size):
-        b = idx[i:i + batch_size]
+def task_batches(data: ImageDataset, classes: list[int], batch_size: int, generator: torch.Generator,
+                 one_class: bool = False):
+    """One task's training samples, shuffled, in mini-batches (the last one may be smaller).
+
+    `one_class`: every batch holds a single class (a device that sees one class at a time); the
+    task's classes take turns, batch by batch, until each has run out.
+    """
+    if not one_class:
+        idx = torch.nonzero(torch.isin(data.train_y, torch.tensor(classes))).flatten()
+        blocks = _blocks(idx[torch.randperm(idx.numel(), generator=generator)], batch_size)
+    else:
+        per_class = [torch.nonzero(data.train_y == c).flatten() for c in classes]
+        per_class = [_blocks(i[torch.randperm(i.numel(), generator=generator)], batch_size) for i in per_class]
+        blocks = [b for turn in itertools.zip_longest(*per_class) for b in turn if b is not None]
+    for b in blocks:
         yield data.train_x[b], data.train_y[b]
+
+
+def _blocks(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [idx[i:i + size] for i in range(0, idx.numel(), size)]
 
 
 def task_test_set(data: ImageDataset, classes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

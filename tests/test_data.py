@@ -139,3 +139,13 @@ def test_task_stream_covers_each_task_once_in_batches(cifar10_slice):
     assert seen.numel() == 500 and set(seen.tolist()) == {2, 3}
     x, y = task_test_set(cifar10_slice, [2, 3])
     assert x.shape == (200, 3, 32, 32) and set(y.tolist()) == {2, 3}
+
+
+def test_one_class_batches_hold_one_class_each_in_turn(cifar10_slice):
+    """A device that sees one class at a time: every batch is of one class, the classes alternate,
+    and the task's samples all come, once."""
+    batches = [y for _, y in task_batches(cifar10_slice, [2, 3], 10, torch.Generator().manual_seed(0), one_class=True)]
+    assert all(y.unique().numel() == 1 for y in batches)
+    assert [int(y[0]) for y in batches[:4]] == [2, 3, 2, 3]
+    seen = torch.cat(batches)
+    assert seen.numel() == 500 and (seen == 2).sum() == (cifar10_slice.train_y == 2).sum()
