@@ -1,8 +1,8 @@
 """Load benchmark of the service on loopback: ingest rate against training rate, and predict
 latency while the learner trains.
 
-It starts a fresh service (its defaults: M=1000, CPU; the method is recorded) on a free loopback port with a
-temporary data directory, or uses --url. Then:
+It starts a fresh service (its defaults, M=1000, CPU, or --env settings; the result records the
+method) on a free loopback port with a temporary data directory, or uses --url. Then:
 1. ingest: `--ingest-clients` threads POST batches of real CIFAR-10 JPEGs for `--seconds`;
    reports acknowledged samples/s and, over the same window, samples/s trained (the ingest
    must outrun the learner: the backlog grows).

@@ -101,12 +101,10 @@ class CheckpointStore:
         """`identity` is None in checkpoints from before it was saved: then the learner's name decides."""
         if name == learner.name and identity in (None, self.identity):
             return
-        def say(settings):
-            return " ".join(f"{k}={v}" for k, v in settings.items())
-        made = f"a {name} learner" + (f" ({say(identity)})" if identity else "")
+        made = f"a {name} learner" + (f" ({_as_env(identity)})" if identity else "")
         raise IncompatibleCheckpoint(
             f"the checkpoint {file} is of {made}, and these settings make a {learner.name} learner "
-            f"({say(self.identity)}): start with the settings it was trained with, or with an empty data directory")
+            f"({_as_env(self.identity)}): start with the settings it was trained with, or with an empty data directory")
 
     @staticmethod
     def forget_rows(conn, class_id: int) -> None:
@@ -118,3 +116,7 @@ class CheckpointStore:
         for f in self.directory.glob("learner-*.pt*"):
             if f.name != keep:
                 f.unlink(missing_ok=True)
+
+
+def _as_env(settings: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items())
