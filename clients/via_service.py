@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from learner.data import ImageDataset, task_batches, task_test_set
+from learner.objective import ReplayObjective
 
 from .api import ServiceClient
 from .results import matrix_summary
@@ -59,7 +60,8 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     """Stream the class-incremental benchmark through the service at args.via; returns the record."""
     client = ServiceClient(args.via, token=args.token, timeout=600)
     st = client.status()
-    served = (st["method"], st["config"].get("step", "joint"), st["config"].get("loss", "ce"))
+    default = ReplayObjective()  # a method without replay reports neither: it takes the defaults' form
+    served = (st["method"], st["config"].get("step", default.step), st["config"].get("loss", default.loss))
     if served != (args.method, args.step, args.loss):
         raise SystemExit(f"error: the service at {args.via} runs method, step, loss {served}, "
                          f"not {(args.method, args.step, args.loss)}")

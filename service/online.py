@@ -119,7 +119,7 @@ class HistoryPoint(BaseModel):
     memory: dict[str, int] = Field(description="replay memory: samples per class")
     replayed_incoming_share: float | None = Field(
         None, description="% of the samples replayed since the previous point whose class was in the incoming batch "
-                          "(none replayed: null); near 0 with ASER_LOSS=ace, new classes never meet the old ones")
+                          "(none replayed: null); under ASER_LOSS=ace a share near 0 means new classes never meet the old ones")
 
 
 class History:

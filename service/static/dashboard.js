@@ -104,7 +104,7 @@ function charts(history) {
   ]);
   lineChart($("chart-step"), [{ name: "step ms", color: "#8e44ad", points: history.map((p) => [p.samples_trained, p.step_ms]) }],
             { yLabel: "ms" });
-  // under ASER_LOSS=ace new classes meet old ones only in the replayed batch: near 0 here, they never do
+  // under ASER_LOSS=ace new classes meet old ones only in the replayed batch: a share near 0 means they never do
   lineChart($("chart-replay"), [{ name: "replayed of incoming classes", color: "#16a085",
     points: history.filter((p) => p.replayed_incoming_share !== null).map((p) => [p.samples_trained, p.replayed_incoming_share]) }],
             { yMax: 100, yLabel: "%" });
