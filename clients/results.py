@@ -157,21 +157,37 @@ def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -
                    "accuracy": paired_difference(by_seed(a_runs, "average_accuracy"),
                                                  by_seed(b_runs, "average_accuracy")),
                    "ncm": paired_difference(by_seed(a_runs, "average_accuracy_ncm"),
-                                            by_seed(b_runs, "average_accuracy_ncm"))}
+                                            by_seed(b_runs, "average_accuracy_ncm")),
+                   "compute_ratio": compute_ratio(a_runs, b_runs)}
             out.append(row)
     return out
 
 
+def compute_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
+    """B's mean training seconds over A's, over the seeds both ran: what B's difference costs.
+
+    >>> compute_ratio([{"seed": 0, "train_seconds": 100.0}, {"seed": 1, "train_seconds": 300.0}],
+    ...               [{"seed": 1, "train_seconds": 900.0}, {"seed": 2, "train_seconds": 5.0}])
+    3.0
+    """
+    a, b = by_seed(a_runs, "train_seconds"), by_seed(b_runs, "train_seconds")
+    seeds = set(a) & set(b)
+    return sum(b[s] for s in seeds) / sum(a[s] for s in seeds) if seeds else math.nan
+
+
 def comparison_table(rows: list[dict]) -> str:
-    lines = ["| dataset | M | A | B | paired seeds | B − A: A_T (pts) | seeds A / B wins | B − A: NCM A_T (pts) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | M | A | B | paired seeds | B − A: A_T (pts) | seeds A / B wins | B − A: NCM A_T (pts) "
+             "| B / A train time |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc, ncm = r["accuracy"], r["ncm"]
         ncm_cell = "n/a" if not ncm["seeds"] else _signed(ncm) + (
             f" (n={ncm['seeds']})" if ncm["seeds"] != acc["seeds"] else "")  # NCM only in newer runs
         lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {acc['seeds']} | "
-                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} |")
-    return "\n".join(lines) + "\n\nMean paired difference ± 95% paired t-interval over the seeds both ran.\n"
+                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} | "
+                     f"{r['compute_ratio']:.2f}x |")
+    return "\n".join(lines) + ("\n\nMean paired difference ± 95% paired t-interval over the seeds both ran; train time: "
+                               "B's mean train seconds over A's on those seeds.\n")
 
 
 def _signed(d: dict) -> str:

@@ -129,15 +129,18 @@ def test_paired_difference_is_a_paired_t_interval():
 
 
 def test_the_comparison_table_says_over_how_many_seeds_ncm_was_paired():
-    def run(seed, acc, ncm=None):
-        return {"seed": seed, "average_accuracy": acc, **({"average_accuracy_ncm": ncm} if ncm is not None else {})}
+    def run(seed, acc, ncm=None, seconds=100.0):
+        return {"seed": seed, "average_accuracy": acc, "train_seconds": seconds,
+                **({"average_accuracy_ncm": ncm} if ncm is not None else {})}
 
-    groups = {("cifar10", 1000, "er"): [run(0, 40.0), run(1, 41.0, 50.0), run(2, 42.0, 51.0)],
-              ("cifar10", 1000, "aser-mu"): [run(0, 41.0), run(1, 43.0, 49.0), run(2, 42.5, 50.0)]}
+    groups = {("cifar10", 1000, "er"): [run(0, 40.0), run(1, 41.0, 50.0), run(2, 42.0, 51.0), run(3, 0.0)],
+              ("cifar10", 1000, "aser-mu"): [run(0, 41.0, seconds=400.0), run(1, 43.0, 49.0),
+                                             run(2, 42.5, 50.0, seconds=400.0)]}
     (row,) = comparisons(groups, [("er", "aser-mu")])
     line = comparison_table([row]).splitlines()[2]
     assert row["accuracy"]["seeds"] == 3 and row["ncm"]["seeds"] == 2
-    assert line.endswith("-1.00 ± 0.00 (n=2) |") and "| 3 |" in line
+    # train time over the paired seeds only: (400 + 100 + 400) / 300
+    assert line.endswith("-1.00 ± 0.00 (n=2) | 3.00x |") and "| 3 |" in line
 
 
 def test_the_summary_shows_how_well_new_classes_are_learned_and_replayed():
