@@ -31,6 +31,7 @@ from .results import (
     comparison_table,
     comparisons,
     group,
+    load_paper,
     load_results,
     matrix_summary,
     plot_accuracy,
@@ -234,7 +235,7 @@ def cmd_table(args) -> int:
         print(f"error: no result files in {args.folder}", file=sys.stderr)
         return 2
     groups = group(results)
-    text = summary_table(groups)
+    text = summary_table(groups, load_paper(Path(args.paper)) if args.paper else None)
     if args.compare:
         text += "\n" + comparison_table(comparisons(groups, [tuple(p) for p in args.compare]))
     print(text)
@@ -299,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                        help="paired comparison of two configurations (labels as in the table, e.g. 'er' "
                             "'aser-mu (ace)') over the seeds both ran, in every dataset and M; repeatable")
+    table.add_argument("--paper", metavar="TOML",
+                       help="a published table to show beside ours (results/paper-table1.toml: the paper's Table 1)")
     table.add_argument("--seeds-plot", action="append", metavar="DATASET:M:PNG",
                        help="plot A_T per seed of the compared configurations for one dataset and M")
     table.set_defaults(func=cmd_table)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -111,11 +112,36 @@ SUMMARY_COLUMNS = (  # header, value of one run (None where a run lacks it)
 )
 
 
-def summary_table(groups: dict[tuple, list[dict]]) -> str:
+def load_paper(path: Path) -> dict:
+    """A published table (e.g. `results/paper-table1.toml`): dataset -> method -> A_T as printed,
+    one string for every M or a table of them by M."""
+    return tomllib.loads(Path(path).read_text())
+
+
+def paper_value(paper: dict, dataset: str, mem: int, label: str) -> str:
+    """The published A_T of the configuration's method at this M, for cross-entropy runs under either
+    step (the authors' code steps ER, MIR and GSS separately, ASER jointly); "" where none applies.
+
+    >>> paper = {"cifar10": {"er": {"1000": "38.4 ± 1.7"}, "ewc": "17.9 ± 0.3"}}
+    >>> [paper_value(paper, "cifar10", m, label) for m, label in
+    ...  ((1000, "er"), (1000, "er (separate)"), (1000, "er (ace)"), (200, "er"), (0, "ewc"))]
+    ['38.4 ± 1.7', '38.4 ± 1.7', '', '', '17.9 ± 0.3']
+    """
+    method = label.split(" (")[0]
+    if label not in (method, f"{method} (separate)"):
+        return ""
+    row = paper.get(dataset, {}).get(method, "")
+    return row if isinstance(row, str) else row.get(str(mem), "")
+
+
+def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) -> str:
+    """One row per configuration; with `paper` (see `load_paper`) the published A_T beside ours."""
     order = {m: i for i, m in enumerate(METHODS)}
-    headers = " | ".join(h for h, _ in SUMMARY_COLUMNS)
-    lines = [f"| dataset | M | configuration | seeds | {headers} | train s / run |",
-             "|---|---|---|---|" + "---|" * len(SUMMARY_COLUMNS) + "---|"]
+    headers = [h for h, _ in SUMMARY_COLUMNS]
+    if paper:  # beside our A_T
+        headers.insert(1, "paper's A_T (%)")
+    lines = [f"| dataset | M | configuration | seeds | {' | '.join(headers)} | train s / run |",
+             "|---|---|---|---|" + "---|" * len(headers) + "---|"]
     for (dataset, mem, label), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
                                                                            order.get(kv[0][2].split()[0], 99),
                                                                            kv[0][2])):
@@ -124,12 +150,16 @@ def summary_table(groups: dict[tuple, list[dict]]) -> str:
             return fmt(vs) + (f" (n={len(vs)})" if vs and len(vs) < len(rs) else "")
 
         secs = sum(r["train_seconds"] for r in rs) / len(rs)
-        cells = " | ".join(cell(value) for _, value in SUMMARY_COLUMNS)
-        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {cells} | {secs:.0f} |")
-    return "\n".join(lines) + ("\n\nMean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory; "
-                               "new-task acc.: accuracy on each task right after it, tasks 2..T; replayed of "
-                               "incoming classes: share of the replayed samples whose class is in the incoming "
-                               "batch, tasks 2..T.\n")
+        cells = [cell(value) for _, value in SUMMARY_COLUMNS]
+        if paper:
+            cells.insert(1, paper_value(paper, dataset, mem, label) or "-")
+        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {' | '.join(cells)} | {secs:.0f} |")
+    note = ("Mean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory; new-task acc.: accuracy "
+            "on each task right after it, tasks 2..T; replayed of incoming classes: share of the replayed samples "
+            "whose class is in the incoming batch, tasks 2..T.")
+    if paper:
+        note += " Paper's A_T: its Table 1, for the method with cross-entropy under either step."
+    return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:

@@ -5,9 +5,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from clients.benchmark import main
-from clients.results import comparison_table, comparisons, paired_difference, summary_table
+from clients.results import comparison_table, comparisons, load_paper, paired_difference, summary_table
 from clients.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
 
 from .conftest import CIFAR10_ZIP
@@ -154,3 +155,16 @@ def test_the_summary_shows_how_well_new_classes_are_learned_and_replayed():
     line = summary_table(groups).splitlines()[2]
     # new-task accuracy: tasks 2 and 3 only (50 and 60); replay share: tasks 2 and 3 of the one run with it
     assert "| 55.0 ± 63.5 | 25.0 (n=1) |" in line
+
+
+def test_the_summary_puts_the_papers_number_beside_ours_where_it_applies():
+    def run(seed, acc):
+        return {"seed": seed, "average_accuracy": acc, "accuracy_matrix": [[acc]], "train_seconds": 1.0}
+
+    groups = {("cifar10", 1000, "er"): [run(0, 40.0), run(1, 42.0)], ("cifar10", 1000, "er (ace)"): [run(0, 50.0)],
+              ("cifar10", 200, "aser-mu (separate)"): [run(0, 30.0)], ("cifar10", 0, "iid-offline"): [run(0, 80.0)]}
+    lines = summary_table(groups, load_paper(Path(__file__).parents[1] / "results" / "paper-table1.toml")).splitlines()
+    assert lines[0].startswith("| dataset | M | configuration | seeds | A_T (%) | paper's A_T (%) | F_T (%) |")
+    rows = {line.split(" | ")[2]: line.split(" | ")[4:6] for line in lines[2:6]}
+    assert rows == {"iid-offline": ["80.0", "79.7 ± 0.4"], "aser-mu (separate)": ["30.0", "26.4 ± 1.5"],
+                    "er": ["41.0 ± 12.7", "38.4 ± 1.7"], "er (ace)": ["50.0", "-"]}
