@@ -13,6 +13,8 @@ from clients.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
 
 from .conftest import CIFAR10_ZIP
 
+PAPER_TABLE = Path(__file__).parents[1] / "results" / "paper-table1.toml"
+
 GRID = """
 [data]
 cifar10 = "{data}"
@@ -60,12 +62,12 @@ def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
     assert sweep(grid, out, jobs=2, log_dir=tmp_path / "logs", printer=lines.append) == ([], 0)
     assert lines == ["0 runs to do in " + str(out) + " (4 already there)"]
 
-    # the paired comparison of the two steps over the two seeds, and the per-seed plot
+    # the paired comparison of the two steps over the two seeds, the per-seed plot, the paper's column
     table = tmp_path / "table.md"
     assert main(["table", str(out), "--out", str(table), "--compare", "er (20/class)", "er (separate, 20/class)",
-                 "--seeds-plot", f"cifar10:30:{tmp_path / 'seeds.png'}"]) == 0
+                 "--seeds-plot", f"cifar10:30:{tmp_path / 'seeds.png'}", "--paper", str(PAPER_TABLE)]) == 0
     text = table.read_text()
-    assert "| cifar10 | 30 | er (separate, 20/class) | 2 |" in text
+    assert "| cifar10 | 30 | er (separate, 20/class) | 2 |" in text and "| paper's A_T (%) |" in text
     assert "| cifar10 | 30 | er (20/class) | er (separate, 20/class) | 2 |" in text
     assert (tmp_path / "seeds.png").stat().st_size > 1000
 
@@ -163,7 +165,7 @@ def test_the_summary_puts_the_papers_number_beside_ours_where_it_applies():
 
     groups = {("cifar10", 1000, "er"): [run(0, 40.0), run(1, 42.0)], ("cifar10", 1000, "er (ace)"): [run(0, 50.0)],
               ("cifar10", 200, "aser-mu (separate)"): [run(0, 30.0)], ("cifar10", 0, "iid-offline"): [run(0, 80.0)]}
-    lines = summary_table(groups, load_paper(Path(__file__).parents[1] / "results" / "paper-table1.toml")).splitlines()
+    lines = summary_table(groups, load_paper(PAPER_TABLE)).splitlines()
     assert lines[0].startswith("| dataset | M | configuration | seeds | A_T (%) | paper's A_T (%) | F_T (%) |")
     rows = {line.split(" | ")[2]: line.split(" | ")[4:6] for line in lines[2:6]}
     assert rows == {"iid-offline": ["80.0", "79.7 ± 0.4"], "aser-mu (separate)": ["30.0", "26.4 ± 1.5"],
