@@ -27,6 +27,7 @@ from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
 from learner.ncm import memory_ncm
 from learner.objective import LOSSES, STEPS
 
+from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
 from .results import (
     comparison_table,
     comparisons,
@@ -79,8 +80,9 @@ def percent_correct(pred: torch.Tensor, y: torch.Tensor) -> float:
     return 100.0 * float((pred == y).float().mean()) if y.numel() else math.nan
 
 
-def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict:
-    """One full stream for one seed; returns the result record."""
+def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpoint: Path | None = None) -> dict:
+    """One full stream for one seed; returns the result record. With `checkpoint`, the run's state
+    is saved there after each task and a run started again on it goes on from there."""
     if args.via:
         from .via_service import run_via
 
@@ -92,7 +94,50 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
                 "command": _command(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     device = resolve_device(args.device)
     torch.manual_seed(seed)
-    learner = make_learner(
+    learner = build_learner(args, data, device, seed)
+    tasks = data.tasks(args.tasks)
+    stream_gen = torch.Generator().manual_seed(seed)
+    passes, evaluate_each = stream_passes(args, data, tasks)
+    run = {"done": 0, "matrix": [], "ncm_matrix": [], "replay_share": [], "train_seconds": 0.0, "resumed_at": [],
+           "machines": []}
+    identity = run_identity(args, data, seed)
+    saved = load_run_state(checkpoint, identity, data) if checkpoint else None
+    if saved:
+        learner.load_state_dict(saved["learner"])
+        stream_gen.set_state(saved["stream"])
+        torch.set_rng_state(saved["torch_rng"])
+        run = {**saved["progress"], "resumed_at": [*saved["progress"]["resumed_at"], saved["progress"]["done"]]}
+    machine = machine_description(device)  # a resumed run's legs may have run on several
+    run["machines"] = [*[m for m in run["machines"] if m != machine], machine]
+    n_steps = sum(pass_steps(args, data, classes) for classes in passes)
+    bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
+    bar.update(sum(pass_steps(args, data, classes) for classes in passes[:run["done"]]))
+    for classes in passes[run["done"]:]:
+        train_pass(learner, data, classes, args, stream_gen, run, bar, evaluate_each)
+        run["done"] += 1
+        if run["done"] == len(passes) and not evaluate_each:
+            record(evaluate(learner, data, tasks), run["matrix"], run["ncm_matrix"])
+        bar.write(f"{args.method} seed {seed}: pass {run['done']}/{len(passes)}, "
+                  f"{_observed_accuracy(run, evaluate_each)}, {run['train_seconds']:.0f} s training", file=sys.stdout)
+        sys.stdout.flush()  # the line a sweep's log shows for a run in progress
+        if checkpoint and run["done"] < len(passes):
+            save_run_state(checkpoint, {"run": identity, "progress": run, "learner": learner.state_dict(),
+                                        "stream": stream_gen.get_state(), "torch_rng": torch.get_rng_state()}, data)
+    bar.close()
+    return result_record(args, data, seed, device, learner, run)
+
+
+def _observed_accuracy(run: dict, per_task: bool) -> str:
+    """Mean accuracy on the tasks observed so far (all of them once an iid run is evaluated)."""
+    if not run["matrix"]:
+        return "not evaluated yet"
+    row = run["matrix"][-1]
+    seen = row[:len(run["matrix"])] if per_task else row
+    return f"accuracy on the observed tasks {sum(seen) / len(seen):.1f}%"
+
+
+def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
+    return make_learner(
         args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
         exclude_current_task=args.exclude_current_task, loss=args.loss, step=args.step, lr=args.lr,
@@ -100,48 +145,51 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
     )
-    tasks = data.tasks(args.tasks)
-    stream_gen = torch.Generator().manual_seed(seed)
-    iid = args.method in IID_EPOCHS
-    epochs = (args.epochs or IID_EPOCHS[args.method]) if iid else 1
-    if iid:
-        n_steps = epochs * math.ceil(len(data.train_y) / args.batch_size)
-    else:
-        n_steps = stream_steps(data, tasks, args.batch_size, args.one_class_batches)
-    bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
-    matrix: list[list[float]] = []
-    ncm_matrix: list[list[float]] = []
-    replay_share: list[float] = []  # per task, % of replayed samples whose class is in the incoming batch
-    train_seconds = 0.0
-    if iid:
-        everything = [c for t in tasks for c in t]
-        for _ in range(epochs):
-            t0 = time.perf_counter()
-            for x, y in task_batches(data, everything, args.batch_size, stream_gen):
-                learner.observe(x, y)
-                bar.update(1)
-            train_seconds += time.perf_counter() - t0
-        record(evaluate(learner, data, tasks), matrix, ncm_matrix)
-    else:
-        for classes in tasks:
-            t0 = time.perf_counter()
-            learner.begin_task(classes)
-            replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
-            for x, y in task_batches(data, classes, args.batch_size, stream_gen, args.one_class_batches):
-                stats = learner.observe(x, y)
-                replayed += stats.get("replayed", 0)
-                incoming += stats.get("replayed_incoming", 0)
-                bar.update(1)
-            learner.end_task()
-            if replayed:
-                replay_share.append(round(100 * float(incoming) / replayed, 2))
-            train_seconds += time.perf_counter() - t0
-            record(evaluate(learner, data, tasks), matrix, ncm_matrix)
-            bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
-    bar.close()
+
+
+def stream_passes(args, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[list[int]], bool]:
+    """The passes over the training data, each a list of classes, and whether each is evaluated:
+    one pass per task, or for iid-online / iid-offline `epochs` passes over every class, shuffled
+    together and evaluated once at the end."""
+    if args.method not in IID_EPOCHS:
+        return tasks, True
+    return [[c for t in tasks for c in t]] * (args.epochs or IID_EPOCHS[args.method]), False
+
+
+def pass_steps(args, data: ImageDataset, classes: list[int]) -> int:
+    one_class = args.one_class_batches and args.method not in IID_EPOCHS
+    return stream_steps(data, [classes], args.batch_size, one_class)
+
+
+def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen, run: dict, bar,
+               evaluate_after: bool) -> None:
+    """Observe one pass's mini-batches once each; for a task, evaluate on every task after it."""
+    one_class = args.one_class_batches and evaluate_after
+    t0 = time.perf_counter()
+    if evaluate_after:
+        learner.begin_task(classes)
+    replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
+    for x, y in task_batches(data, classes, args.batch_size, stream_gen, one_class):
+        stats = learner.observe(x, y)
+        replayed += stats.get("replayed", 0)
+        incoming += stats.get("replayed_incoming", 0)
+        bar.update(1)
+    if evaluate_after:
+        learner.end_task()
+    run["train_seconds"] += time.perf_counter() - t0
+    if not evaluate_after:
+        return
+    if replayed:  # % of replayed samples whose class is in the incoming batch
+        run["replay_share"].append(round(100 * float(incoming) / replayed, 2))
+    record(evaluate(learner, data, data.tasks(args.tasks)), run["matrix"], run["ncm_matrix"])
+
+
+def result_record(args, data: ImageDataset, seed: int, device: torch.device, learner, run: dict) -> dict:
+    matrix, ncm_matrix = run["matrix"], run["ncm_matrix"]
     ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
     uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
+    passes, _ = stream_passes(args, data, data.tasks(args.tasks))
     return {
         "method": args.method,
         "dataset": args.dataset,
@@ -149,20 +197,22 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True) -> dict
         "seed": seed,
         **matrix_summary(matrix),
         **ncm,
-        **({"replay_incoming_share": replay_share} if replay_share else {}),
-        "train_seconds": round(train_seconds, 2),
+        **({"replay_incoming_share": run["replay_share"]} if run["replay_share"] else {}),
+        "train_seconds": round(run["train_seconds"], 2),
         "steps": learner.steps,
+        **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
-            "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch, "epochs": epochs,
+            "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch,
+            "epochs": 1 if args.method not in IID_EPOCHS else len(passes),
             "exclude_current_task": args.exclude_current_task, "one_class_batches": args.one_class_batches,
             "bf16": args.bf16, "bf16_latent": args.bf16_latent, "compile": args.compile,
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
         },
         "device": str(device),
-        "machine": machine_description(device),
+        "machine": " + ".join(run["machines"]),
         "torch": torch.__version__,
         "command": _command(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -212,10 +262,18 @@ def cmd_run(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.checkpoint and args.via:
+        print("error: --checkpoint is for in-process runs (a service keeps its own checkpoints)", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     for seed in args.seed:
-        result = run_once(args, data, seed, progress=not args.quiet)
+        checkpoint = output_path(args.checkpoint, seed, len(args.seed) > 1) if args.checkpoint else None
+        try:
+            result = run_once(args, data, seed, progress=not args.quiet, checkpoint=checkpoint)
+        except CheckpointMismatch as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         fgt = result["average_forgetting"]
         print(f"\n{args.method} on {args.dataset}, M={args.mem_size}, seed {seed}: "
               f"A_T = {result['average_accuracy']:.2f}%, F_T = {'n/a' if fgt is None else f'{fgt:.2f}%'}, "
@@ -226,6 +284,8 @@ def cmd_run(args) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=2) + "\n")
             print(f"wrote {path}")
+        if checkpoint:
+            checkpoint.unlink(missing_ok=True)  # the run is complete: nothing to resume
     return 0
 
 
@@ -287,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bf16 for the memory policies' feature passes only; training stays fp32")
     run.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     run.add_argument("--threads", type=int, help="torch intra-op threads")
+    run.add_argument("--checkpoint", metavar="PATH",
+                     help="save the run's state here after each task and, if PATH holds one of this run, go on "
+                          "from it ({seed} is replaced; several seeds add -seedN); deleted once the run is done")
     run.add_argument("--cache-dir", help="where decoded image folders are cached")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--via", metavar="URL", help="stream through the running service at URL instead of in-process "

@@ -24,7 +24,9 @@ configurations fill up together). The grid is read again before each run starts,
 sweep follows edits to it (blocks reordered or added) from its next run on. A run holds
 `<file>.lock` while it works and writes its result under a temporary name, renamed when
 complete: two sweeps never write the same file, and a lock left by a process that died is taken
-over.
+over. A run saves its state after each task in `<file stem>.resume.pt` beside its result and goes
+on from there when it is started again (`run --checkpoint`): a sweep cut off loses at most one
+task of each run in flight.
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ class RunSpec:
             parts.append(f"m{self.mem_size}")
         return "-".join(parts) + f"-seed{self.seed}.json"
 
-    def command(self, data: str, out: Path, threads: int, device: str) -> list[str]:
+    def command(self, data: str, out: Path, threads: int, device: str, checkpoint: Path) -> list[str]:
         cmd = [sys.executable, "-m", "clients.benchmark", "run", "--dataset", self.dataset, "--data", data,
                "--method", self.method, "--mem-size", str(self.mem_size), "--seed", str(self.seed),
                "--threads", str(threads), "--device", device, "--quiet", "--out", str(out),
-               *PRECISION_FLAGS[self.precision]]
+               "--checkpoint", str(checkpoint), *PRECISION_FLAGS[self.precision]]
         if self.method in REPLAY_METHODS:
             cmd += ["--step", self.step, "--loss", self.loss]
         for key, value in self.extra:
@@ -179,7 +181,8 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
             return None
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / (target.stem + ".log"), "w") as log:
-            code = subprocess.run(spec.command(data, partial, threads, device), stdout=log, stderr=subprocess.STDOUT,
+            code = subprocess.run(spec.command(data, partial, threads, device, checkpoint_path(target)),
+                                  stdout=log, stderr=subprocess.STDOUT,
                                   cwd=Path(__file__).resolve().parents[1]).returncode
         if code != 0 or not partial.exists():
             raise RuntimeError(f"{target.name}: the run failed (exit {code}); see {log_dir / (target.stem + '.log')}")
@@ -199,7 +202,8 @@ def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, dev
     printer(f"{len(todo)} runs to do in {out} ({len(expand(grid)) - len(todo)} already there)")
     if dry_run:
         for s in todo:
-            printer(f"  {s.dataset}/{s.file_name()}")
+            resumes = checkpoint_path(out / s.dataset / s.file_name()).exists()
+            printer(f"  {s.dataset}/{s.file_name()}{' (goes on from its checkpoint)' if resumes else ''}")
         return [], 0
     per_job = max(1, (threads or os.cpu_count() or 1) // jobs)
     written: list[Path] = []
@@ -240,6 +244,12 @@ def _report(future: Future, spec: RunSpec, target: Path, progress: str, printer)
     printer(f"{progress} {spec.dataset} {target.stem}: A_T {result['average_accuracy']:.2f}"
             f"{_ncm(result)}, {result['train_seconds']:.0f} s training -> {target}")
     return True
+
+
+def checkpoint_path(target: Path) -> Path:
+    """Where the run of `target` keeps its state between tasks (`run --checkpoint`): beside its
+    result, so that a run cut off in one session goes on from its last task in the next."""
+    return target.with_name(target.stem + ".resume.pt")
 
 
 def missing(grid: dict, out: Path) -> list[RunSpec]:

@@ -56,7 +56,9 @@ def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
         r = json.loads((out / "cifar10" / name).read_text())
         assert r["settings"]["step"] == ("separate" if "separate" in name else "joint")
         assert r["settings"]["threads"] == 1 and r["mem_size"] == 30 and r["average_accuracy_ncm"] is not None
-    assert not list(out.rglob("*.lock")) and not list(out.rglob("*.partial"))
+    assert not list(out.rglob("*.lock")) and not list(out.rglob("*.partial")) and not list(out.rglob("*.resume.pt"))
+    log = (tmp_path / "logs" / "er-m30-seed1.log").read_text()  # a line per task shows a run in progress
+    assert "er seed 1: pass 1/5, accuracy on the observed tasks" in log and "pass 5/5" in log
 
     lines.clear()
     assert sweep(grid, out, jobs=2, log_dir=tmp_path / "logs", printer=lines.append) == ([], 0)
