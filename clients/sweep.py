@@ -179,13 +179,14 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
     try:
         if target.exists():  # finished by another sweep between the check and the lock
             return None
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with open(log_dir / (target.stem + ".log"), "w") as log:
+        log_path = log_dir / spec.dataset / (target.stem + ".log")  # one name may exist for several datasets
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
             code = subprocess.run(spec.command(data, partial, threads, device, checkpoint_path(target)),
                                   stdout=log, stderr=subprocess.STDOUT,
                                   cwd=Path(__file__).resolve().parents[1]).returncode
         if code != 0 or not partial.exists():
-            raise RuntimeError(f"{target.name}: the run failed (exit {code}); see {log_dir / (target.stem + '.log')}")
+            raise RuntimeError(f"{target.name}: the run failed (exit {code}); see {log_path}")
         os.replace(partial, target)
         return json.loads(target.read_text())
     finally:
@@ -283,6 +284,6 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="results", help="result folder (files go to OUT/<dataset>/)")
     p.add_argument("--threads", type=int, help="threads in all, split between the jobs (default: all cores)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--log-dir", default=".cache/sweep-logs", help="each run's output")
+    p.add_argument("--log-dir", default=".cache/sweep-logs", help="each run's output, in LOG_DIR/<dataset>/")
     p.add_argument("--dry-run", action="store_true", help="list what would run")
     p.set_defaults(func=cmd_sweep)

@@ -57,7 +57,7 @@ def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
         assert r["settings"]["step"] == ("separate" if "separate" in name else "joint")
         assert r["settings"]["threads"] == 1 and r["mem_size"] == 30 and r["average_accuracy_ncm"] is not None
     assert not list(out.rglob("*.lock")) and not list(out.rglob("*.partial")) and not list(out.rglob("*.resume.pt"))
-    log = (tmp_path / "logs" / "er-m30-seed1.log").read_text()  # a line per task shows a run in progress
+    log = (tmp_path / "logs" / "cifar10" / "er-m30-seed1.log").read_text()  # a line per task shows a run in progress
     assert "er seed 1: pass 1/5, accuracy on the observed tasks" in log and "pass 5/5" in log
 
     lines.clear()
@@ -122,7 +122,7 @@ def test_a_failed_run_is_reported_and_leaves_nothing(tmp_path):
                     '[[runs]]\ndataset = "cifar10"\nmethod = "er"\nseed = 0\n')
     lines: list[str] = []
     assert sweep(grid, tmp_path / "out", jobs=1, log_dir=tmp_path / "logs", printer=lines.append) == ([], 1)
-    assert "FAILED" in lines[-1] and "does not exist" in (tmp_path / "logs" / "er-m1000-seed0.log").read_text()
+    assert "FAILED" in lines[-1] and "does not exist" in (tmp_path / "logs" / "cifar10" / "er-m1000-seed0.log").read_text()
     assert not list((tmp_path / "out").rglob("*.*"))
 
 
