@@ -72,7 +72,7 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[
         x, y = task_test_set(data, classes)
         head.append(percent_correct(learner.predict(x).cpu(), y))
         if ncm is not None:
-            nearest.append(percent_correct(ncm.predict(learner.extract(x)).cpu(), y))
+            nearest.append(percent_correct(ncm.predict(learner.serving_features(x)).cpu(), y))
     return head, (nearest if ncm is not None else None)
 
 
@@ -141,7 +141,7 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
         exclude_current_task=args.exclude_current_task, loss=args.loss, step=args.step, lr=args.lr,
-        device=device, seed=seed,
+        iterations=args.iterations, augment=args.augment, ema_decay=args.ema, device=device, seed=seed,
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
     )
@@ -203,6 +203,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
+            "augment": args.augment, "iterations": args.iterations, "ema": args.ema,
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch,
             "epochs": 1 if args.method not in IID_EPOCHS else len(passes),
@@ -337,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "summing the two mean losses (separate, the authors' ER code)")
     run.add_argument("--loss", choices=LOSSES, default="ce",
                      help="replay methods: cross-entropy (ce) or ER-ACE's asymmetric cross-entropy (ace)")
+    run.add_argument("--augment", action="store_true",
+                     help="replay methods: random crop (padding 4) + horizontal flip of every training batch")
+    run.add_argument("--iterations", type=int, default=1,
+                     help="replay methods: SGD steps per incoming batch, each with a fresh replay draw")
+    run.add_argument("--ema", type=float, metavar="DECAY",
+                     help="predict and evaluate with an exponential moving average of the weights (e.g. 0.99)")
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
     run.add_argument("--one-class-batches", action="store_true",

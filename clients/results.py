@@ -56,11 +56,19 @@ def run_label(result: dict) -> str:
     'sv-upd (ace, 1000/class)'
     >>> run_label({"method": "er", "settings": {"loss": "ace", "one_class_batches": True}})
     'er (ace, one-class batches)'
+    >>> run_label({"method": "er", "settings": {"loss": "ace", "augment": True, "iterations": 3, "ema": 0.99}})
+    'er (ace, aug, 3 iter, ema 0.99)'
     """
     settings = result.get("settings", {})
     modes = [settings[k] for k, default in (("step", "joint"), ("loss", "ce")) if settings.get(k, default) != default]
     modes += [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
               if settings.get(key)]
+    if settings.get("augment"):
+        modes.append("aug")
+    if settings.get("iterations", 1) != 1:
+        modes.append(f"{settings['iterations']} iter")
+    if settings.get("ema"):
+        modes.append(f"ema {settings['ema']:g}")
     if settings.get("one_class_batches"):
         modes.append("one-class batches")
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs

@@ -26,6 +26,8 @@ from learner.data import ImageDataset
 IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "batch_size", "replay_batch",
                  "tasks", "epochs", "step", "loss", "exclude_current_task", "one_class_batches", "bf16",
                  "bf16_latent", "compile", "train_per_class", "test_per_class")
+# later options: named only when set, so checkpoints written before they existed still match
+OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None}
 
 
 class CheckpointMismatch(ValueError):
@@ -34,6 +36,7 @@ class CheckpointMismatch(ValueError):
 
 def run_identity(args, data: ImageDataset, seed: int) -> dict:
     identity = {key: getattr(args, key, None) for key in IDENTITY_KEYS}
+    identity |= {key: getattr(args, key, d) for key, d in OPTION_DEFAULTS.items() if getattr(args, key, d) != d}
     return {**identity, "seed": seed, "train_samples": int(data.train_y.numel()),
             "test_samples": int(data.test_y.numel())}
 

@@ -9,6 +9,8 @@ machine hits every case alike (ratios are what count):
   (--bf16-latent runs only the memory policies' feature passes in bf16, training stays fp32)
 - er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
   10 classes, K=3, N_c=90: the paper's CIFAR-10 settings), replay batch 10;
+- er-ace, sv-upd-ace (the service's default), er-ace-aug-it2-ema (the stronger learner's
+  options: crop + flip, 2 steps per batch, a moving-average serving head): the same `observe`;
 - inference-100: logits of 100 images.
 
     python -m clients.benchmark speed --out results/speed-cpu.json
@@ -47,10 +49,18 @@ def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool 
     return step
 
 
+# the configurations timed beside the paper's methods: name -> (method, options)
+OPTION_CASES = {
+    "er-ace": ("er", {"loss": "ace"}),
+    "sv-upd-ace": ("sv-upd", {"loss": "ace"}),
+    "er-ace-aug-it2-ema": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99}),
+}
+
+
 def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
-                  latent_dtype=None):
+                  latent_dtype=None, **options):
     learner = make_learner(method, num_classes=10, mem_size=mem_size, dataset="cifar10", device=device, seed=0,
-                           autocast_dtype=autocast_dtype, latent_dtype=latent_dtype, compile=compile)
+                           autocast_dtype=autocast_dtype, latent_dtype=latent_dtype, compile=compile, **options)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     learner.buffer.n_seen = 10 * mem_size  # a stream well past the memory size
     state = {"i": mem_size}
@@ -83,6 +93,8 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
         "aser": (_learner_step("aser", device, images, labels, dtype, mem_size, compile, latent), 10),
         "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size, compile, latent), 10),
         "mir": (_learner_step("mir", device, images, labels, dtype, mem_size, compile, latent), 10),
+        **{name: (_learner_step(method, device, images, labels, dtype, mem_size, compile, latent, **options), 10)
+           for name, (method, options) in OPTION_CASES.items()},
         "inference-100": (lambda: infer_learner.logits(probe), 100),
     }
     times = {name: [] for name in cases}
@@ -108,6 +120,7 @@ def ratios(cases: dict) -> dict:
         "er / bare-step": round(ms["er"] / ms["bare-step"], 3),
         "aser-mu / er": round(ms["aser-mu"] / ms["er"], 3),
         "aser / er": round(ms["aser"] / ms["er"], 3),
+        **{f"{name} / er": round(ms[name] / ms["er"], 3) for name in OPTION_CASES},
         "default-step / bare-step": round(ms["default-step"] / ms["bare-step"], 3),
     }
 

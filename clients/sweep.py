@@ -13,10 +13,14 @@ value or a list, and the block stands for every combination:
     step = "joint"                # joint | separate
     loss = "ce"                   # ce | ace
     precision = "fp32"            # fp32 | bf16-latent | bf16 | bf16-compile
+    augment = false               # the stronger learner's options (`run --augment --iterations --ema`)
+    iterations = 1
+    ema = 0                       # 0: no moving average
+    train_per_class = 0           # 0: the whole stream
     seed = "0-14"                 # a list, or a range "a-b"
 
-Other keys of a block (train_per_class, lr, ...) are passed to `run` as they are and do not enter
-the file names. Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-m<M>]-seed<s>.json
+Other keys of a block (lr, ...) are passed to `run` as they are and do not enter the file names.
+Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-aug][-it<N>][-ema<D>][-n<N>][-m<M>]-seed<s>.json
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
 with the threads split between them, blocks in order and seeds interleaved (so paired
@@ -45,8 +49,10 @@ from pathlib import Path
 
 from learner.methods import REPLAY_METHODS
 
-AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed")
-DEFAULTS = {"mem_size": 1000, "step": "joint", "loss": "ce", "precision": "fp32"}
+AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed", "augment", "iterations", "ema",
+        "train_per_class")
+DEFAULTS = {"mem_size": 1000, "step": "joint", "loss": "ce", "precision": "fp32", "augment": False, "iterations": 1,
+            "ema": 0, "train_per_class": 0}
 PRECISION_FLAGS = {"fp32": [], "bf16-latent": ["--bf16-latent"], "bf16": ["--bf16"], "bf16-compile": ["--bf16", "--compile"]}
 
 
@@ -59,6 +65,10 @@ class RunSpec:
     loss: str
     precision: str
     seed: int
+    augment: bool = False
+    iterations: int = 1
+    ema: float = 0
+    train_per_class: int = 0  # a reduced stream: its results never stand for full-length ones
     extra: tuple = field(default=())  # (key, value) pairs passed through to `run`
 
     @property
@@ -73,11 +83,15 @@ class RunSpec:
         'aser-mu-bf16latent-m1000-seed0.json'
         >>> RunSpec("cifar10", "iid-offline", 1000, "joint", "ce", "fp32", 0).file_name()
         'iid-offline-seed0.json'
+        >>> RunSpec("cifar10", "er", 200, "joint", "ace", "fp32", 1, True, 3, 0.99, 1000).file_name()
+        'er-ace-aug-it3-ema0.99-n1000-m200-seed1.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
             parts.append(self.precision.replace("-", ""))
         parts += [v for v, default in ((self.step, "joint"), (self.loss, "ce")) if v != default]
+        parts += ["aug"] * self.augment + [f"it{self.iterations}"] * (self.iterations != 1)
+        parts += [f"ema{self.ema:g}"] * bool(self.ema) + [f"n{self.train_per_class}"] * bool(self.train_per_class)
         if self.uses_memory:
             parts.append(f"m{self.mem_size}")
         return "-".join(parts) + f"-seed{self.seed}.json"
@@ -88,7 +102,10 @@ class RunSpec:
                "--threads", str(threads), "--device", device, "--quiet", "--out", str(out),
                "--checkpoint", str(checkpoint), *PRECISION_FLAGS[self.precision]]
         if self.method in REPLAY_METHODS:
-            cmd += ["--step", self.step, "--loss", self.loss]
+            cmd += ["--step", self.step, "--loss", self.loss, "--iterations", str(self.iterations)]
+            cmd += ["--augment"] * self.augment
+        cmd += ["--ema", str(self.ema)] * bool(self.ema)
+        cmd += ["--train-per-class", str(self.train_per_class)] * bool(self.train_per_class)
         for key, value in self.extra:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         return cmd

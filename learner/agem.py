@@ -53,7 +53,7 @@ class AGEM(ContinualLearner):
         for p, g in zip(params, grads):
             p.grad = g
         self.optimizer.step()
-        self.version += 1
+        self.weights_changed()
         self.update_policy.update(self.buffer, images, labels, ctx)
         return {"loss": loss.detach(), "projected": projected}
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch.nn import functional as F
 
+from .ema import WeightAverage
 from .latent import Latent
 from .model import ReducedResNet18, fold_batchnorm, scale_pixels
 from .policy import StepContext
@@ -33,7 +34,7 @@ class ContinualLearner:
     def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
                  device: str | torch.device = "cpu", seed: int = 0, channels_last: bool | None = None,
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
-                 compile: bool = False):
+                 compile: bool = False, ema_decay: float | None = None):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -55,13 +56,15 @@ class ContinualLearner:
         # costs ~30 s of compilation at the first step, so it is an option
         self.train_forward = torch.compile(self.model) if compile else self.model
         self.optimizer = self._make_optimizer()
+        # serving weights: an average of the trained ones (`learner.ema`), or the trained ones
+        self.ema = WeightAverage(self.model, ema_decay) if ema_decay else None
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
         self.steps = 0
         self.samples_seen = 0
         self.current_task_classes: torch.Tensor | None = None
         self.forgotten: set[int] = set()  # classes removed on request: never predicted again
-        self._folded = None  # (version, {dtype: folded f_ext}) for inference
+        self._folded = None  # (version, {(serving, dtype): folded f_ext}) for inference
 
     # --- the step ----------------------------------------------------------------------
     def observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -122,8 +125,14 @@ class ContinualLearner:
         loss = loss_fn()
         loss.backward()
         self.optimizer.step()
-        self.version += 1
+        self.weights_changed()
         return loss.detach()
+
+    def weights_changed(self) -> None:
+        """After every optimizer step: a new weights version, and the serving average follows."""
+        self.version += 1
+        if self.ema is not None:
+            self.ema.update(self.model)
 
     def sgd_step(self, images: torch.Tensor, labels: torch.Tensor, extra_loss=None) -> torch.Tensor:
         """One SGD step on the mean cross-entropy of (images, labels) (plus `extra_loss()`)."""
@@ -132,23 +141,33 @@ class ContinualLearner:
         return self.optimize(lambda: self.loss(images, labels) + extra_loss())
 
     def extract(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        """f_ext in eval mode, no autograd: uint8 images -> latent features (float32)."""
-        return self._eval_map(self.inference_features(self.latent_dtype), images, batch_size)
+        """f_ext of the trained weights in eval mode, no autograd: uint8 images -> latent features
+        (float32). What the memory policies see."""
+        return self._eval_map(self.inference_features(self.latent_dtype, serving=False), images, batch_size)
+
+    def serving_features(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """f_ext of the serving weights (the EMA, if on): what predictions and NCM use."""
+        return self._eval_map(self.inference_features(self.autocast_dtype), images, batch_size)
 
     def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        features, head = self.inference_features(self.autocast_dtype), self.model.head
+        features, head = self.inference_features(self.autocast_dtype), self.serving_model.head
         return self._eval_map(lambda x: head(features(x)), images, batch_size)
 
-    def inference_features(self, dtype: torch.dtype | None = None):
+    @property
+    def serving_model(self) -> ReducedResNet18:
+        """The weights predictions come from: the moving average with `ema_decay`, else the trained ones."""
+        return self.ema.model if self.ema is not None else self.model
+
+    def inference_features(self, dtype: torch.dtype | None = None, serving: bool = True):
         """Eval-mode f_ext with BatchNorm folded into the convolutions (in `dtype`, fp32 by
-        default), built once per weights. The folded tensors are new storage: later training
-        steps do not change them."""
+        default), of the serving weights (or the trained ones), built once per weights. The folded
+        tensors are new storage: later training steps do not change them."""
         if self._folded is None or self._folded[0] != self.version:
             self._folded = (self.version, {})
-        cache = self._folded[1]
-        if dtype not in cache:
-            cache[dtype] = fold_batchnorm(self.model, dtype)
-        return cache[dtype]
+        cache, net = self._folded[1], self.serving_model if serving else self.model
+        if (id(net), dtype) not in cache:
+            cache[(id(net), dtype)] = fold_batchnorm(net, dtype)
+        return cache[(id(net), dtype)]
 
     def predict(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         return self.logits(images, batch_size).argmax(1)
@@ -172,6 +191,8 @@ class ContinualLearner:
         """Grow the head to at least n classes (new rows start from the default init)."""
         if n > self.model.num_classes:
             self.model.grow(n)
+            if self.ema is not None:
+                self.ema.grow(self.model)
             self.optimizer = self._make_optimizer()
             self.version += 1
 
@@ -189,8 +210,9 @@ class ContinualLearner:
         # gradient; finite, so no inf - inf anywhere
         rows = [c for c in self.forgotten if c < self.model.num_classes]
         with torch.no_grad():
-            self.model.head.weight[rows] = 0.0
-            self.model.head.bias[rows] = FORGOTTEN_LOGIT
+            for net in {self.model, self.serving_model}:
+                net.head.weight[rows] = 0.0
+                net.head.bias[rows] = FORGOTTEN_LOGIT
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters(), lr=self.lr)
@@ -206,6 +228,7 @@ class ContinualLearner:
             "steps": self.steps,
             "samples_seen": self.samples_seen,
             "forgotten": sorted(self.forgotten),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,3 +242,5 @@ class ContinualLearner:
         self.steps = state["steps"]
         self.samples_seen = state["samples_seen"]
         self.forgotten = set(state.get("forgotten", ()))
+        if self.ema is not None:  # a state saved without an average starts it from the weights
+            self.ema.load_state_dict(state.get("ema", self.model.state_dict()), self.model)

@@ -57,7 +57,7 @@ class EWCpp(ContinualLearner):
             if p.grad is not None:
                 self.step_fisher[n] += p.grad.detach() ** 2
         self.optimizer.step()
-        self.version += 1
+        self.weights_changed()
         return {"loss": loss.detach()}
 
     def end_task(self) -> None:
@@ -73,8 +73,10 @@ class EWCpp(ContinualLearner):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        for key in ("running_fisher", "step_fisher", "normalized_fisher", "anchor", "task_steps"):
-            setattr(self, key, state[key])
+        for key in ("running_fisher", "step_fisher", "normalized_fisher", "anchor"):
+            # a state may come from another device (a GPU checkpoint restored on a CPU)
+            setattr(self, key, None if state[key] is None else {n: t.to(self.device) for n, t in state[key].items()})
+        self.task_steps = state["task_steps"]
 
 
 def _pad_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .agem import AGEM
+from .augment import BatchAugment
 from .base import ContinualLearner
 from .ewc import EWCpp
 from .finetune import FineTune
@@ -65,12 +66,15 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
                  k: int | None = None, n_candidates: int | None = None, replay_batch: int = 10,
                  exclude_current_task: bool = False, mir_subsample: int | None = None,
                  gss_batches: int | None = None, ewc_lambda: float = 100.0,
-                 per_class: int | None = None, loss: str = "ce", step: str = "joint", **kwargs) -> ContinualLearner:
+                 per_class: int | None = None, loss: str = "ce", step: str = "joint", iterations: int = 1,
+                 augment: bool = False, **kwargs) -> ContinualLearner:
     """Build `method` for a stream with `num_classes` classes (the head's initial width).
 
     `loss` (ce | ace) and `step` (joint | separate) choose the replay methods' objective
-    (`learner.objective`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
-    autocast_dtype, latent_dtype, compile).
+    (`learner.objective`); `iterations` (SGD steps per incoming batch) and `augment` (crop + flip
+    of every training batch) are the replay methods' repeated augmented rehearsal
+    (`learner.replay`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
+    autocast_dtype, latent_dtype, compile, ema_decay).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.
@@ -81,6 +85,8 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     objective = ReplayObjective(loss, step)
     if method not in REPLAY_METHODS and objective != ReplayObjective():
         raise ValueError(f"--loss and --step apply to the replay methods ({', '.join(REPLAY_METHODS)}), not {method}")
+    if method not in REPLAY_METHODS and (iterations != 1 or augment):
+        raise ValueError(f"--iterations and --augment apply to the replay methods, not {method}")
     if method in ("finetune", "iid-online", "iid-offline"):
         return FineTune(num_classes, **kwargs)
     if method == "ewc":
@@ -104,5 +110,7 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
         "dist": lambda: DistRetrieval(per_class=per_class, mean=False),
         "dist-mu": lambda: DistRetrieval(per_class=per_class, mean=True),
     }[retrieval_name]()
+    augmenter = BatchAugment(seed=kwargs.get("seed", 0) + 1) if augment else None  # its own stream of draws
     return ReplayLearner(num_classes, update, retrieval, mem_size=mem_size, replay_batch=replay_batch,
-                         exclude_current_task=exclude_current_task, objective=objective, **kwargs)
+                         exclude_current_task=exclude_current_task, objective=objective, iterations=iterations,
+                         augment=augmenter, **kwargs)

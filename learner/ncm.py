@@ -38,8 +38,9 @@ class NearestClassMean:
 
 
 def memory_ncm(learner) -> NearestClassMean | None:
-    """The NCM classifier of a learner's replay memory, or None for a learner without one."""
+    """The NCM classifier of a learner's replay memory under its serving weights, or None for a
+    learner without one."""
     buffer = getattr(learner, "buffer", None)
     if buffer is None or len(buffer) == 0:
         return None
-    return NearestClassMean.fit(learner.extract(buffer.images[: buffer.size]), buffer.labels[: buffer.size])
+    return NearestClassMean.fit(learner.serving_features(buffer.images[: buffer.size]), buffer.labels[: buffer.size])

@@ -4,6 +4,15 @@ Each step: B_M <- retrieve(B_n, M); one SGD step on the objective of (B_n, B_M) 
 forward pass of B_n u B_M and its mean cross-entropy; see `learner.objective` for the `separate`
 step and the ACE loss); M <- update(B_n, M). ER, MIR, GSS, ASER, ASER_mu and the ablations are
 all this class with different policies (see `learner.methods`).
+
+Two options compose with every policy pair:
+- `iterations` N (repeated rehearsal, the authors' `mem_iters`): N SGD steps per incoming batch,
+  each with a fresh replay draw and the incoming batch in every one, as the authors' code and
+  RAR do: under ACE the incoming term is the only one that teaches the new classes, so a
+  replay-only step would rehearse the old ones N-1 times for each time the new ones are seen.
+  The memory update runs once, after the last step, as with N = 1.
+- `augment` (`learner.augment`): the incoming and replayed images of each step are cropped and
+  flipped afresh; the memory stores the incoming samples as they came.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .base import ContinualLearner
+from .augment import BatchAugment
 from .buffer import ReplayBuffer
 from .latent import Latent
 from .objective import ReplayObjective
@@ -20,8 +30,13 @@ from .policy import MemoryRetrieval, MemoryUpdate, StepContext
 class ReplayLearner(ContinualLearner):
     def __init__(self, num_classes: int, update: MemoryUpdate, retrieval: MemoryRetrieval, mem_size: int,
                  replay_batch: int = 10, exclude_current_task: bool = False,
-                 objective: ReplayObjective = ReplayObjective(), **kwargs):
+                 objective: ReplayObjective = ReplayObjective(), iterations: int = 1,
+                 augment: BatchAugment | None = None, **kwargs):
         super().__init__(num_classes, **kwargs)
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        self.iterations = iterations
+        self.augment = augment
         self.objective = objective
         self.update_policy = update
         self.retrieval_policy = retrieval
@@ -43,24 +58,37 @@ class ReplayLearner(ContinualLearner):
 
     def _observe(self, images, labels):
         ctx = self.context()
-        slots = self.retrieve(images, labels, ctx)
-        replay_x, replay_y = self.buffer.images[slots], self.buffer.labels[slots]
-        loss = self.optimize(lambda: self.objective(self.forward_logits, images, labels, replay_x, replay_y))
-        ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
+        replayed, incoming = 0, 0
+        for _ in range(self.iterations):
+            slots = self.retrieve(images, labels, ctx)
+            replay_x, replay_y = self.buffer.images[slots], self.buffer.labels[slots]
+            x, rx = self._augmented(images, replay_x)
+            loss = self.optimize(lambda: self.objective(self.forward_logits, x, labels, rx, replay_y))
+            ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
+            # replayed samples of the incoming batch's classes: what lets new classes compete with the
+            # old ones under ACE, whose incoming term masks every absent class. A tensor, like the loss:
+            # reading it here would wait for the device every step
+            replayed, incoming = replayed + slots.numel(), incoming + torch.isin(replay_y, labels).sum()
         self.update_policy.update(self.buffer, images, labels, ctx)
-        # replayed samples of the incoming batch's classes: what lets new classes compete with the
-        # old ones under ACE, whose incoming term masks every absent class. A tensor, like the loss:
-        # reading it here would wait for the device every step
-        ctx.stats.update(loss=loss, replayed=slots.numel(), replayed_incoming=torch.isin(replay_y, labels).sum())
+        ctx.stats.update(loss=loss, replayed=replayed, replayed_incoming=incoming)
         return ctx.stats
+
+    def _augmented(self, images: torch.Tensor, replay_images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.augment is None:
+            return images, replay_images
+        return self.augment(images), self.augment(replay_images)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["buffer"] = self.buffer.state_dict()
         state["update"] = self.update_policy.state_dict()
+        if self.augment is not None:
+            state["augment"] = self.augment.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.buffer.load_state_dict(state["buffer"])
         self.update_policy.load_state_dict(state["update"])
+        if self.augment is not None and "augment" in state:
+            self.augment.load_state_dict(state["augment"])

@@ -122,6 +122,7 @@ class GSSGreedyUpdate(MemoryUpdate):
     def update(self, buffer: ReplayBuffer, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> None:
         if self.scores is None or self.scores.numel() != buffer.capacity:
             self.scores = torch.zeros(buffer.capacity, device=buffer.device)
+        self.scores = self.scores.to(buffer.device)  # a state restored from another device
         labels = labels.to(buffer.device)
         grads = _Gradients(ctx)
         if not buffer.is_full:

@@ -83,7 +83,9 @@ class CheckpointStore:
         self._remove_files_except(row["file"] if row else None)
         if row is None:
             return 0, {}
-        state = torch.load(self.directory / row["file"], weights_only=True, map_location=learner.device)
+        # onto the CPU: the learner copies what it needs to its device, and its generators' states
+        # must stay CPU tensors (a checkpoint written on a GPU restores on a CPU and the other way)
+        state = torch.load(self.directory / row["file"], weights_only=True, map_location="cpu")
         extra = state.pop("service_extra", {})
         self._check_identity(row["file"], state["method"], extra.pop("identity", None), learner)
         meta = state.pop("buffer_meta", None)

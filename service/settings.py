@@ -45,6 +45,11 @@ class Settings(BaseSettings):
                                                "replayed samples (joint) or two with summed losses (separate)")
     loss: Literal["ce", "ace"] = Field("ace", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
                                        "cross-entropy (ace)")
+    augment: bool = Field(False, description="replay methods: random crop + flip of every training batch")
+    iterations: int = Field(1, ge=1, le=16, description="replay methods: SGD steps per incoming batch, each with a "
+                            "fresh replay draw")
+    ema: float = Field(0.0, ge=0, lt=1, description="predictions and snapshots from a moving average of the "
+                       "weights with this decay (0: the trained weights)")
     device: str = "auto"
     latent_bf16: bool = Field(False, description="the memory policies' feature passes in bf16 (training and "
                               "predictions stay fp32); ~2x faster ASER steps on CPUs with AMX / AVX-512 BF16")
@@ -101,10 +106,23 @@ class Settings(BaseSettings):
 
         return {"step": self.step, "loss": self.loss} if self.method in REPLAY_METHODS else {}
 
+    def stronger_learner(self) -> dict:
+        """ASER_AUGMENT, ASER_ITERATIONS and ASER_EMA for the learner, where they are set.
+
+        >>> Settings(augment=True, ema=0.99).stronger_learner()
+        {'augment': True, 'ema_decay': 0.99}
+        """
+        chosen = {"augment": self.augment or None, "iterations": self.iterations if self.iterations != 1 else None,
+                  "ema_decay": self.ema or None}
+        return {k: v for k, v in chosen.items() if v is not None}
+
     def learner_identity(self) -> dict[str, str]:
         """The settings that decide how the learner trains, as environment variables: a checkpoint
-        made under some does not go on under others."""
-        return {f"ASER_{k.upper()}": v for k, v in {"method": self.method, **self.replay_objective()}.items()}
+        made under some does not go on under others (the stronger learner's only where set, so a data
+        directory made before they existed goes on)."""
+        chosen = {"method": self.method, **self.replay_objective(), **self.stronger_learner()}
+        return {f"ASER_{k.removesuffix('_decay').upper()}": str(v) if not isinstance(v, str) else v
+                for k, v in chosen.items()}
 
     @property
     def database_path(self) -> Path:

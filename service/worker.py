@@ -60,7 +60,7 @@ class Predictor:
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int) -> "Predictor":
-        head = learner.model.head
+        head = learner.serving_model.head
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), head.out_features)
         return cls(learner.inference_features(), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
@@ -153,7 +153,7 @@ class LearnerWorker:
         s = self.settings
         return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
                             per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, **s.replay_objective(),
-                            device=self.device, seed=s.seed, image_shape=self.image_shape,
+                            **s.stronger_learner(), device=self.device, seed=s.seed, image_shape=self.image_shape,
                             latent_dtype=torch.bfloat16 if s.latent_bf16 else None)
 
     def _load(self) -> None:
@@ -373,7 +373,7 @@ class LearnerWorker:
     def _snapshot(self, reason: str) -> Future:
         p = self.predictor  # the classes the published weights answer
         self._last_snapshot = self.learner.steps
-        return self.snapshots.submit(self.learner.model, list(p.classes), p.version, p.steps, p.samples_trained,
+        return self.snapshots.submit(self.learner.serving_model, list(p.classes), p.version, p.steps, p.samples_trained,
                                      reason)
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DATASETS = ROOT.parent / "shared" / "datasets"
+# ../shared/datasets beside the checkout, or a copy elsewhere (the GPU machine gets a carried one)
+DATASETS = Path(os.environ.get("ASER_TEST_DATASETS", ROOT.parent / "shared" / "datasets"))
 CIFAR10_ZIP = DATASETS / "cifar10-jpeg.zip"
 MINI_ZIP = DATASETS / "mini-imagenet-slice.zip"
 

@@ -88,14 +88,14 @@ def test_a_sweep_goes_on_from_the_checkpoint_a_cut_off_session_left(tmp_path, ca
     grid = tmp_path / "grid.toml"
     grid.write_text(f'[data]\ncifar10 = "{CIFAR10_ZIP}"\n\n[[runs]]\ndataset = "cifar10"\nmethod = "er"\n'
                     f'mem_size = 50\nseed = 2\ntrain_per_class = 100\ntest_per_class = 20\ncache_dir = "{cache_dir}"\n')
-    target = tmp_path / "out" / "cifar10" / "er-m50-seed2.json"
+    target = tmp_path / "out" / "cifar10" / "er-n100-m50-seed2.json"
     args = build_parser().parse_args(["run", *run_args(cache_dir, "er")])
     data = load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir)
     run_once(args, data, 2, progress=False, checkpoint=checkpoint_path(target))  # leaves the state after task 4
 
     lines: list[str] = []
     sweep(grid, tmp_path / "out", jobs=1, dry_run=True, printer=lines.append)
-    assert lines[1] == "  cifar10/er-m50-seed2.json (goes on from its checkpoint)"
+    assert lines[1] == "  cifar10/er-n100-m50-seed2.json (goes on from its checkpoint)"
     written, failed = sweep(grid, tmp_path / "out", jobs=1, threads=1, log_dir=tmp_path / "logs", printer=print)
     assert written == [target] and failed == 0 and not checkpoint_path(target).exists()
     assert json.loads(target.read_text())["resumed_after_pass"] == [4]

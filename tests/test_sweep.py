@@ -42,22 +42,22 @@ def test_sweep_runs_what_is_missing_and_resumes(tmp_path, cache_dir):
     # an interrupted earlier sweep left one result; it is kept, not run again
     (out / "cifar10").mkdir(parents=True)
     lines: list[str] = []
-    first = RunSpec("cifar10", "er", 30, "joint", "ce", "fp32", 0, extra=expand(read_grid(grid))[0].extra)
+    first = expand(read_grid(grid))[0]
     assert run_one(first, str(CIFAR10_ZIP), out / "cifar10" / first.file_name(), 1, "cpu", tmp_path / "logs")
-    before = (out / "cifar10" / "er-m30-seed0.json").stat().st_mtime_ns
+    before = (out / "cifar10" / "er-n20-m30-seed0.json").stat().st_mtime_ns
 
     written, failed = sweep(grid, out, jobs=2, threads=2, log_dir=tmp_path / "logs", printer=lines.append)
     assert failed == 0 and lines[0].startswith("3 runs to do") and "(1 already there)" in lines[0]
     names = sorted(p.name for p in written)
-    assert names == ["er-m30-seed1.json", "er-separate-m30-seed0.json", "er-separate-m30-seed1.json"]
-    assert (out / "cifar10" / "er-m30-seed0.json").stat().st_mtime_ns == before
+    assert names == ["er-n20-m30-seed1.json", "er-separate-n20-m30-seed0.json", "er-separate-n20-m30-seed1.json"]
+    assert (out / "cifar10" / "er-n20-m30-seed0.json").stat().st_mtime_ns == before
     assert sum("A_T" in line for line in lines) == 3  # a progress line per finished run
     for name in names:
         r = json.loads((out / "cifar10" / name).read_text())
         assert r["settings"]["step"] == ("separate" if "separate" in name else "joint")
         assert r["settings"]["threads"] == 1 and r["mem_size"] == 30 and r["average_accuracy_ncm"] is not None
     assert not list(out.rglob("*.lock")) and not list(out.rglob("*.partial")) and not list(out.rglob("*.resume.pt"))
-    log = (tmp_path / "logs" / "cifar10" / "er-m30-seed1.log").read_text()  # a line per task shows a run in progress
+    log = (tmp_path / "logs" / "cifar10" / "er-n20-m30-seed1.log").read_text()  # a line per task shows a run in progress
     assert "er seed 1: pass 1/5, accuracy on the observed tasks" in log and "pass 5/5" in log
 
     lines.clear()
@@ -94,7 +94,8 @@ def test_a_running_sweep_follows_edits_to_its_grid(tmp_path, cache_dir):
 
     written, failed = sweep(grid, out, jobs=1, threads=1, log_dir=tmp_path / "logs", printer=edit_after_each_run)
     assert failed == 0
-    assert [p.name for p in written] == ["er-m30-seed0.json", "er-separate-m30-seed0.json", "er-m30-seed1.json"]
+    assert [p.name for p in written] == ["er-n20-m30-seed0.json", "er-separate-n20-m30-seed0.json",
+                                         "er-n20-m30-seed1.json"]
     assert any("unreadable" in line for line in lines)
     assert [line.split("]")[0] for line in lines if "A_T" in line] == ["[1 done, 1 to go", "[2 done, 1 to go",
                                                                        "[3 done, 0 to go"]

@@ -1,0 +1,110 @@
+"""The stronger learner's options on real CIFAR-10 images: augmentation, repeated rehearsal, the
+moving-average serving weights, and runs that resume with all of them."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from clients.benchmark import build_parser, run_once
+from learner import make_learner
+from learner.augment import BatchAugment
+from learner.data import load_dataset
+
+from .conftest import CIFAR10_ZIP
+from .test_resume import comparable, run_args
+
+
+def crops_of(image: torch.Tensor, padding: int) -> list[torch.Tensor]:
+    """Every crop of the zero-padded image, and its mirror."""
+    _, h, w = image.shape
+    padded = F.pad(image, (padding,) * 4)
+    crops = [padded[:, y:y + h, x:x + w] for y in range(2 * padding + 1) for x in range(2 * padding + 1)]
+    return crops + [c.flip(-1) for c in crops]
+
+
+def test_augmentation_crops_and_flips_keeps_shapes_and_is_reproducible(cifar10_slice):
+    images = cifar10_slice.train_x[:64]
+    out = BatchAugment(padding=4, seed=7)(images)
+    assert out.shape == images.shape and out.dtype == torch.uint8
+    assert torch.equal(BatchAugment(padding=4, seed=7)(images), out)
+    assert not torch.equal(BatchAugment(padding=4, seed=8)(images), out)
+    for original, augmented in zip(images[:16], out[:16]):  # each output is one crop of its own image
+        assert any(torch.equal(augmented, c) for c in crops_of(original, 4))
+    flipped = sum(not any(torch.equal(a, c) for c in crops_of(o, 4)[:81]) for o, a in zip(images, out))
+    assert 10 < flipped < 54  # about half are mirrored
+
+
+def test_the_memory_stores_the_incoming_images_as_they_came(cifar10_slice):
+    learner = make_learner("er", 10, mem_size=200, loss="ace", augment=True, iterations=2, seed=0)
+    x, y = cifar10_slice.train_x[:100], cifar10_slice.train_y[:100]
+    for i in range(0, 100, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    assert len(learner.buffer) == 100
+    assert torch.equal(learner.buffer.images[:100], x) and torch.equal(learner.buffer.labels[:100], y)
+
+
+class CountingRetrieval:
+    """Wraps a retrieval policy and records the slots of each draw."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.draws = inner, inner.name, []
+
+    def retrieve(self, buffer, images, labels, n, ctx):
+        slots = self.inner.retrieve(buffer, images, labels, n, ctx)
+        self.draws.append(slots.tolist())
+        return slots
+
+
+@pytest.mark.parametrize("method", ["er", "aser-mu"])
+def test_repeated_rehearsal_takes_n_steps_with_n_draws(cifar10_slice, method):
+    learner = make_learner(method, 10, mem_size=100, loss="ace", iterations=3, seed=1)
+    learner.retrieval_policy = counting = CountingRetrieval(learner.retrieval_policy)
+    x, y = cifar10_slice.train_x, cifar10_slice.train_y
+    for i in range(0, 300, 10):  # the memory fills, then each batch is rehearsed three times
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    before, draws = learner.version, len(counting.draws)
+    stats = learner.observe(x[300:310], y[300:310])
+    assert learner.version - before == 3 and len(counting.draws) - draws == 3 and stats["replayed"] == 30
+    assert len({tuple(d) for d in counting.draws[-3:]}) > 1  # fresh draws, not one batch three times
+    assert learner.steps == 31  # steps count incoming batches
+
+
+def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):
+    decay = 0.9
+    learner = make_learner("er", 10, mem_size=50, ema_decay=decay, seed=2)
+    average = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    x, y = cifar10_slice.train_x, cifar10_slice.train_y
+    for i in range(0, 80, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+        for k, v in learner.model.state_dict().items():
+            average[k] = decay * average[k] + (1 - decay) * v if v.is_floating_point() else v.clone()
+    ema = learner.ema.model.state_dict()
+    assert all(torch.allclose(ema[k].float(), average[k].float(), atol=1e-6) for k in average)
+    assert not torch.allclose(ema["conv1.weight"], learner.model.state_dict()["conv1.weight"])
+    probe = cifar10_slice.test_x[:20]  # predictions come from the average, the memory's features do not
+    served = learner.ema.model.eval()(learner.to_input(probe))
+    assert torch.allclose(learner.logits(probe), served, atol=1e-4)
+    assert not torch.allclose(learner.extract(probe), learner.serving_features(probe), atol=1e-4)
+
+
+def test_the_average_follows_a_growing_head_and_a_forgotten_class(cifar10_slice):
+    learner = make_learner("er", 2, mem_size=50, ema_decay=0.5, seed=3)
+    x, y = cifar10_slice.train_x[::25][:20], torch.arange(20) % 4  # classes 2 and 3 grow the head
+    learner.observe(x[:10], y[:10])
+    assert learner.ema.model.head.out_features == learner.num_classes == 4
+    learner.forget_class(1)
+    learner.observe(x[10:20], y[10:20])
+    assert (learner.logits(x[:20]).softmax(1)[:, 1] == 0).all()
+
+
+@pytest.mark.parametrize("method", ["er", "sv-upd"])
+def test_a_run_with_every_option_resumes_to_the_uninterrupted_result(tmp_path, cache_dir, method):
+    extra = ("--loss", "ace", "--augment", "--iterations", "2", "--ema", "0.9")
+    args = build_parser().parse_args(["run", *run_args(cache_dir, method, *extra)])
+    data = load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir)
+    checkpoint = tmp_path / "run.resume.pt"
+    whole = run_once(args, data, 1, progress=False, checkpoint=checkpoint)
+    resumed = run_once(args, data, 1, progress=False, checkpoint=checkpoint)
+    assert comparable(resumed) == comparable(whole) and resumed["resumed_after_pass"] == [4]
+    assert whole["settings"]["augment"] and whole["settings"]["iterations"] == 2 and whole["settings"]["ema"] == 0.9
+    assert whole["steps"] == 100  # incoming batches: 1000 samples of 10
