@@ -63,17 +63,21 @@ def machine_description(device: torch.device) -> str:
     return f"{cpu}, {torch.get_num_threads()} threads"
 
 
-def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[float], list[float] | None]:
-    """Test accuracy (percent) on each task's held-out set: of the softmax head, and of the
-    nearest-class-mean classifier on the memory (None for a learner without memory)."""
+def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, list[float]]:
+    """Test accuracy (percent) on each task's held-out set, by classifier: the softmax head of the
+    serving weights ("head"), the nearest-class-mean classifier on the memory ("ncm", for a learner
+    with one), and with a moving average the trained weights' own head ("trained")."""
     ncm = memory_ncm(learner)
-    head, nearest = [], []
+    out: dict[str, list[float]] = {"head": [], **({"ncm": []} if ncm else {}),
+                                   **({"trained": []} if learner.ema is not None else {})}
     for classes in tasks:
         x, y = task_test_set(data, classes)
-        head.append(percent_correct(learner.predict(x).cpu(), y))
+        out["head"].append(percent_correct(learner.predict(x).cpu(), y))
         if ncm is not None:
-            nearest.append(percent_correct(ncm.predict(learner.serving_features(x)).cpu(), y))
-    return head, (nearest if ncm is not None else None)
+            out["ncm"].append(percent_correct(ncm.predict(learner.serving_features(x)).cpu(), y))
+        if learner.ema is not None:
+            out["trained"].append(percent_correct(learner.predict(x, serving=False).cpu(), y))
+    return out
 
 
 def percent_correct(pred: torch.Tensor, y: torch.Tensor) -> float:
@@ -98,8 +102,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
     passes, evaluate_each = stream_passes(args, data, tasks)
-    run = {"done": 0, "matrix": [], "ncm_matrix": [], "replay_share": [], "train_seconds": 0.0, "resumed_at": [],
-           "machines": []}
+    run = {"done": 0, "matrix": [], "ncm_matrix": [], "trained_matrix": [], "replay_share": [], "train_seconds": 0.0,
+           "resumed_at": [], "machines": []}
     identity = run_identity(args, data, seed)
     saved = load_run_state(checkpoint, identity, data) if checkpoint else None
     if saved:
@@ -116,7 +120,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
         train_pass(learner, data, classes, args, stream_gen, run, bar, evaluate_each)
         run["done"] += 1
         if run["done"] == len(passes) and not evaluate_each:
-            record(evaluate(learner, data, tasks), run["matrix"], run["ncm_matrix"])
+            record(evaluate(learner, data, tasks), run)
         bar.write(f"{args.method} seed {seed}: pass {run['done']}/{len(passes)}, "
                   f"{_observed_accuracy(run, evaluate_each)}, {run['train_seconds']:.0f} s training", file=sys.stdout)
         sys.stdout.flush()  # the line a sweep's log shows for a run in progress
@@ -181,12 +185,13 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
         return
     if replayed:  # % of replayed samples whose class is in the incoming batch
         run["replay_share"].append(round(100 * float(incoming) / replayed, 2))
-    record(evaluate(learner, data, data.tasks(args.tasks)), run["matrix"], run["ncm_matrix"])
+    record(evaluate(learner, data, data.tasks(args.tasks)), run)
 
 
 def result_record(args, data: ImageDataset, seed: int, device: torch.device, learner, run: dict) -> dict:
-    matrix, ncm_matrix = run["matrix"], run["ncm_matrix"]
+    matrix, ncm_matrix, trained = run["matrix"], run["ncm_matrix"], run.get("trained_matrix", [])
     ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
+    ncm |= matrix_summary(trained, "_trained") if trained and len(trained) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
     uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
     passes, _ = stream_passes(args, data, data.tasks(args.tasks))
@@ -220,11 +225,12 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
     }
 
 
-def record(evaluation: tuple, matrix: list, ncm_matrix: list) -> None:
-    head, nearest = evaluation
-    matrix.append(head)
-    if nearest is not None:
-        ncm_matrix.append(nearest)
+MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix"}  # evaluation -> run key
+
+
+def record(evaluation: dict[str, list[float]], run: dict) -> None:
+    for classifier, row in evaluation.items():
+        run.setdefault(MATRICES[classifier], []).append(row)
 
 
 def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int, one_class: bool = False) -> int:

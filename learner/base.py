@@ -149,8 +149,10 @@ class ContinualLearner:
         """f_ext of the serving weights (the EMA, if on): what predictions and NCM use."""
         return self._eval_map(self.inference_features(self.autocast_dtype), images, batch_size)
 
-    def logits(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        features, head = self.inference_features(self.autocast_dtype), self.serving_model.head
+    def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
+        """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones)."""
+        features = self.inference_features(self.autocast_dtype, serving)
+        head = (self.serving_model if serving else self.model).head
         return self._eval_map(lambda x: head(features(x)), images, batch_size)
 
     @property
@@ -169,8 +171,8 @@ class ContinualLearner:
             cache[(id(net), dtype)] = fold_batchnorm(net, dtype)
         return cache[(id(net), dtype)]
 
-    def predict(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        return self.logits(images, batch_size).argmax(1)
+    def predict(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
+        return self.logits(images, batch_size, serving).argmax(1)
 
     def _eval_map(self, fn, images: torch.Tensor, batch_size: int) -> torch.Tensor:
         was_training = self.model.training

@@ -108,3 +108,6 @@ def test_a_run_with_every_option_resumes_to_the_uninterrupted_result(tmp_path, c
     assert comparable(resumed) == comparable(whole) and resumed["resumed_after_pass"] == [4]
     assert whole["settings"]["augment"] and whole["settings"]["iterations"] == 2 and whole["settings"]["ema"] == 0.9
     assert whole["steps"] == 100  # incoming batches: 1000 samples of 10
+    # the serving (average) head and the trained weights' own head, evaluated side by side
+    assert len(whole["accuracy_matrix_trained"]) == 5 and whole["accuracy_matrix_trained"] != whole["accuracy_matrix"]
+    assert resumed["accuracy_matrix_trained"] == whole["accuracy_matrix_trained"]
