@@ -1,0 +1,3 @@
+"""FastAPI + uvicorn around one learner (see service.app)."""
+
+__version__ = "0.3.0"

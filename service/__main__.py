@@ -8,6 +8,7 @@ import sys
 
 import uvicorn
 
+from .server import quiet_probes, with_header_timeout
 from .settings import Settings
 
 
@@ -28,7 +29,11 @@ def serve(make_app) -> int:
               "ASER_READ_TOKEN or ASER_ADMIN_TOKEN, or bind to 127.0.0.1", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(make_app(settings), host=settings.host, port=settings.port, log_level="info")
+    logging.getLogger("uvicorn.access").addFilter(quiet_probes)
+
+    uvicorn.run(make_app(settings), host=settings.host, port=settings.port, log_level="info",
+                http=with_header_timeout(settings.header_timeout_s), limit_concurrency=settings.max_connections,
+                timeout_keep_alive=5)
     return 0
 
 

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from . import __version__
 from .metrics import Metrics
 from .routers import dashboard, ingest, memory, operations, predict, snapshots
 from .routers.bodies import BodyModels
@@ -29,12 +30,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         app.state.runtime.close()
 
-    app = FastAPI(title="ASER continual-learning service", version="0.2.0", lifespan=lifespan,
+    app = FastAPI(title="ASER continual-learning service", version=__version__, lifespan=lifespan,
                   description="Learns new classes from a stream of labelled images without forgetting the old "
                               "ones (ASER, AAAI 2021); serves predictions and ONNX snapshots.")
     app.state.settings, app.state.metrics = settings, metrics
     # a stream's total size is unbounded; each of its messages is limited instead
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, exempt=frozenset({"/samples/stream"}))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s,
+                       exempt=frozenset({"/samples/stream"}))
     install_error_handlers(app, metrics)
     app.include_router(ingest.router(settings, models))
     app.include_router(predict.router(settings, models))

@@ -24,13 +24,26 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import sqlite3
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import sqlite_utils
+
+from .errors import StorageFull
+
+log = logging.getLogger("aser.db")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """SQLite's SQLITE_FULL, or the OS's ENOSPC / EDQUOT."""
+    if isinstance(exc, sqlite3.Error):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class Database:
@@ -42,6 +55,7 @@ class Database:
         self._readers = threading.local()
         self._all: list[sqlite3.Connection] = [self._writer]
         self._all_lock = threading.Lock()
+        self.full = False  # the last write failed for want of space (logged once until one succeeds)
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: sqlite3 opens no implicit transactions; ours are explicit
@@ -55,16 +69,31 @@ class Database:
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, all or nothing; durable when the block exits."""
+        """One write transaction, all or nothing; durable when the block exits. A full disk
+        raises StorageFull, and the transaction is rolled back whole (a failed COMMIT too)."""
         with self._write_lock:
             conn = self._writer
-            conn.execute("BEGIN IMMEDIATE")
             try:
+                conn.execute("BEGIN IMMEDIATE")
                 yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                if conn.in_transaction:
+                    with suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                if is_disk_full(exc):
+                    self._note_full()
+                    raise StorageFull("the disk is full: nothing was stored; send it again once space returns") from exc
                 raise
-            conn.execute("COMMIT")
+            if self.full:
+                self.full = False
+                log.warning("storage: space is back, writes succeed again")
+
+    def _note_full(self) -> None:
+        if not self.full:  # one line per episode, not one per refused request
+            self.full = True
+            log.error("storage: the disk holding %s is full; writes are refused (507) until space returns",
+                      self.path)
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:

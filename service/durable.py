@@ -22,5 +22,9 @@ def replace_durably(tmp: Path, path: Path) -> None:
 def write_durably(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that a crash leaves the old file, or none, or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    replace_durably(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        replace_durably(tmp, path)
+    except BaseException:  # a full disk, say: a half-written file must not eat the last free space
+        tmp.unlink(missing_ok=True)
+        raise

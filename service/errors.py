@@ -50,6 +50,13 @@ class IncompatibleCheckpoint(ServiceError):
     code = "incompatible_checkpoint"
 
 
+class StorageFull(ServiceError):
+    """The disk (or the database's quota) is full: nothing was stored; the same request succeeds
+    once space returns."""
+
+    code = "storage_full"
+
+
 class Unavailable(ServiceError):
     """A dependency of the request is not ready now; retrying later may succeed."""
 

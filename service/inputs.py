@@ -72,17 +72,3 @@ def decode_images(blobs: list[bytes], size: int, max_bytes: int) -> np.ndarray:
             detail = f"image {i}: {exc.detail}" if len(blobs) > 1 else exc.detail
             raise InputError(exc.code, detail, exc.status) from exc
     return np.stack(images)
-
-
-def validate_label(label: object, max_length: int) -> str:
-    """A label is the user's class name: a non-empty printable string of bounded length."""
-    if not isinstance(label, str):
-        raise InputError("invalid_label", f"a label must be a string, got {type(label).__name__}")
-    text = label.strip()
-    if not text:
-        raise InputError("invalid_label", "a label must not be empty")
-    if len(text) > max_length:
-        raise InputError("invalid_label", f"a label has at most {max_length} characters, got {len(text)}")
-    if not text.isprintable():
-        raise InputError("invalid_label", "a label must not contain control characters")
-    return text

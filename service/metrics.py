@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+
+class StatusCounters:
+    """Counters whose totals live in the service's state (the worker's, the database's) and are
+    read from /status at scrape time: exposed as counters (`_total`), not gauges."""
+
+    HELP = {
+        "aser_samples_quarantined": "Samples set aside because training on them fails",
+        "aser_snapshot_failures": "Snapshot exports that failed",
+    }
+
+    def __init__(self):
+        self.values = dict.fromkeys(self.HELP, 0.0)
+
+    def collect(self):
+        for name, text in self.HELP.items():
+            yield CounterMetricFamily(name, text, value=self.values[name])
 
 
 class Metrics:
@@ -30,9 +48,8 @@ class Metrics:
                                            registry=r)
         self.backlog = Gauge("aser_backlog_samples", "Acknowledged samples not yet trained on", registry=r)
         self.model_version = Gauge("aser_model_version", "Version of the weights predictions use", registry=r)
-        self.quarantined = Gauge("aser_samples_quarantined", "Samples set aside because training on them fails",
-                                 registry=r)
-        self.snapshot_failures = Gauge("aser_snapshot_failures", "Snapshot exports that failed", registry=r)
+        self.status_counters = StatusCounters()
+        r.register(self.status_counters)
         self.online_accuracy = Gauge("aser_online_accuracy", "Test-then-train accuracy on every sample scored",
                                      registry=r)
         self.online_window_accuracy = Gauge("aser_online_window_accuracy", "Test-then-train accuracy over the last "
@@ -47,8 +64,8 @@ class Metrics:
         """Set the gauges from a /status answer (read at scrape time)."""
         self.backlog.set(status["backlog"])
         self.model_version.set(status["model_version"])
-        self.quarantined.set(status["worker"]["quarantined"])
-        self.snapshot_failures.set(status["worker"]["snapshot_failures"])
+        self.status_counters.values.update(aser_samples_quarantined=status["worker"]["quarantined"],
+                                           aser_snapshot_failures=status["worker"]["snapshot_failures"])
         self.worker_up.set(1 if status["worker"]["alive"] else 0)
         online = status["online"]
         self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))

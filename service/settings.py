@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     max_classes: int = Field(1000, ge=1)
     max_top_k: int = Field(20, ge=1)
 
+    # slow or stalled clients (a device on a bad link, or an attacker holding sockets open)
+    header_timeout_s: float = Field(10.0, gt=0, description="close a connection whose request headers are not "
+                                    "complete this long after its first byte (or its previous answer)")
+    body_timeout_s: float = Field(30.0, gt=0, description="answer 408 when a request body stalls this long "
+                                  "between two chunks (not the NDJSON stream, idle between samples)")
+    max_connections: int = Field(512, ge=1, description="concurrent connections and requests; beyond, 503")
     # the inference replica (python -m service.replica): the learner it follows, and how often it looks
     replica_source: str = "http://127.0.0.1:8000"
     replica_source_token: SecretStr | None = None

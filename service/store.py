@@ -185,7 +185,9 @@ def _class_ids(conn: sqlite3.Connection, labels: list[str], max_classes: int) ->
             ids[name] = row["id"]
     new = [n for n in labels if n not in ids]
     if new:
-        count, next_id = conn.execute("SELECT COUNT(*), COALESCE(MAX(id), -1) + 1 FROM classes").fetchone()
+        # forgotten classes keep their ids (never reused) but no longer count against the limit
+        count, next_id = conn.execute("SELECT COUNT(*) FILTER (WHERE forgotten IS NULL), "
+                                      "COALESCE(MAX(id), -1) + 1 FROM classes").fetchone()
         if count + len(new) > max_classes:
             raise TooManyClasses(f"this service holds at most {max_classes} classes")
         for offset, name in enumerate(new):

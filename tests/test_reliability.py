@@ -289,7 +289,7 @@ def test_a_sample_that_always_fails_is_quarantined(tmp_path, jpegs):
         assert w["alive"] and w["restarts"] == 2 and w["quarantined"] == 1
         assert w["recent_quarantine"][0]["seq"] == 2 and "bytes" in w["recent_quarantine"][0]["error"]
         metrics = httpx.get(f"{s.url}/metrics").text
-        assert "aser_worker_restarts_total 2.0" in metrics and "aser_samples_quarantined 1.0" in metrics
+        assert "aser_worker_restarts_total 2.0" in metrics and "aser_samples_quarantined_total 1.0" in metrics
         assert httpx.get(f"{s.url}/readyz").status_code == 200
         s.kill()
         s.start()

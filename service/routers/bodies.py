@@ -3,26 +3,49 @@ parser validates with, so the two cannot disagree) and their parsing (JSON, mult
 
 Images travel as base64 strings in JSON (the custom string format `image-base64`: PNG, JPEG,
 WebP or BMP bytes, standard or URL-safe alphabet, padding optional) and as files in multipart.
-A label is 1 to `max_label_length` characters, with no control characters and no leading or
-trailing whitespace. A sample id, optional, is the client's name for one sample (1-128 of
+A label is 1 to `max_label_length` characters, with no control or invisible format characters
+(zero-width joiners, bidi overrides, byte-order marks: Unicode category Cf) and no leading or
+trailing whitespace, taken in Unicode NFC, so labels that look alike are one class. A sample id, optional, is the client's name for one sample (1-128 of
 A-Z a-z 0-9 . _ : -): a sample sent again with the same id is stored once.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import unicodedata
 from collections.abc import AsyncIterator
 from functools import cached_property
 from typing import Annotated
 
 from fastapi import Query, Request
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 
 from ..inputs import InputError, decode_base64
 from ..settings import Settings
 
-CONTROL = r"\x00-\x1f\x7f-\x9f"
+def category_ranges(category: str) -> str:
+    """The code points of a Unicode category as the body of a regex class (\\U escapes).
+
+    >>> import re
+    >>> invisible = re.compile(f"[{category_ranges('Cf')}]")
+    >>> [bool(invisible.match(chr(cp))) for cp in (0x200B, 0x202E, 0xFEFF, ord("a"))]
+    [True, True, True, False]
+    """
+    spans, start = [], None
+    for cp in range(sys.maxunicode + 2):
+        inside = cp <= sys.maxunicode and unicodedata.category(chr(cp)) == category
+        if inside and start is None:
+            start = cp
+        elif not inside and start is not None:
+            spans.append(f"\\U{start:08x}" + (f"-\\U{cp - 1:08x}" if cp - 1 > start else ""))
+            start = None
+    return "".join(spans)
+
+
+CONTROL = r"\x00-\x1f\x7f-\x9f" + category_ranges("Cf")  # and the invisible format characters
 LABEL_PATTERN = rf"^[^\s{CONTROL}](?:[^{CONTROL}]*[^\s{CONTROL}])?$"
 SAMPLE_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 IMAGE_FORMATS = ("image/png", "image/jpeg", "image/webp", "image/bmp")
@@ -49,7 +72,8 @@ class BodyModels:
 
     def __init__(self, settings: Settings):
         label = Annotated[str, Field(min_length=1, max_length=settings.max_label_length, pattern=LABEL_PATTERN,
-                                     description="the class name", examples=["airplane"])]
+                                     description="the class name (taken in Unicode NFC)", examples=["airplane"]),
+                          AfterValidator(lambda text: unicodedata.normalize("NFC", text))]
         sample_id = Annotated[str, Field(pattern=SAMPLE_ID_PATTERN, description="the client's id of this sample; "
                                          "a repeated id is acknowledged again and stored once",
                                          examples=["6f1c2a0e9b3d4c58a7e2f0b1c9d8e7a6"])]
@@ -88,16 +112,24 @@ class BodyModels:
     def samples(self, body: bytes | str) -> list:
         """A JSON sample or {'samples': [...]} -> Sample models."""
         data = parse_json(body)
+        self.check_count(data, "samples")
         model = self.SampleBatch if isinstance(data, dict) and "samples" in data else self.Sample
         parsed = validate(model, data)
         return parsed.samples if model is self.SampleBatch else [parsed]
 
     def predict_json(self, body: bytes) -> tuple[list[bytes], int | None]:
         data = parse_json(body)
+        self.check_count(data, "images")
         model = self.PredictImages if isinstance(data, dict) and "images" in data else self.PredictImage
         parsed = validate(model, data)
         images = parsed.images if model is self.PredictImages else [parsed.image]
         return [decode_base64(t, f"image {i}") for i, t in enumerate(images)], parsed.k
+
+    def check_count(self, data, key: str) -> None:
+        """Too many samples (or images) is one rule with one answer in every form: 413 too_many_samples."""
+        items = data.get(key) if isinstance(data, dict) else None
+        if isinstance(items, list) and len(items) > self.max_samples:
+            raise too_many(self.max_samples, len(items))
 
     # --- OpenAPI -------------------------------------------------------------------------
     @cached_property
@@ -173,7 +205,7 @@ def validate(model: type[BaseModel] | TypeAdapter, data):
 
 
 PATTERN_RULES = {
-    LABEL_PATTERN: "a label has no control characters and no leading or trailing whitespace",
+    LABEL_PATTERN: "a label has no control or invisible format characters and no leading or trailing whitespace",
     SAMPLE_ID_PATTERN: "a sample id is 1 to 128 characters of A-Z a-z 0-9 . _ : -",
 }
 
@@ -193,15 +225,30 @@ def content_kind(request: Request) -> str:
     raise InputError("unsupported_media_type", "send application/json or multipart/form-data", 415)
 
 
+def too_many(limit: int, got: int | None = None) -> InputError:
+    return InputError("too_many_samples", f"at most {limit} samples (images) per request"
+                      + (f", got {got}" if got is not None else ""), 413)
+
+
 async def read_form(request: Request, models: BodyModels, with_labels: bool):
-    """The images (and labels and ids) of a multipart body."""
+    """The images (and labels and ids) of a multipart body; any other field is refused, as JSON
+    refuses unknown fields."""
     n = models.max_samples
-    form = await request.form(max_files=n + 1, max_fields=3 * n + 1)
+    try:
+        form = await request.form(max_files=n, max_fields=3 * n)  # images sent as text parts are fields
+    except HTTPException as exc:  # Starlette's multipart limits and parse errors
+        if "Too many" in str(exc.detail):
+            raise too_many(n) from None
+        raise InputError("invalid_multipart", f"the multipart body cannot be parsed: {exc.detail}", 400) from None
+    known = {"image", "label", "id"} if with_labels else {"image"}
+    unknown = sorted({key for key in form.keys() if key not in known})
+    if unknown:
+        raise InputError("invalid_request", f"unknown multipart fields {unknown}; send {sorted(known)}", 422)
     parts = form.getlist("image")
     if not parts:
         raise InputError("invalid_request", "a multipart body needs one or more 'image' parts", 422)
     if len(parts) > n:
-        raise InputError("too_many_samples", f"at most {n} images per request, got {len(parts)}", 413)
+        raise too_many(n, len(parts))
     blobs = [await p.read() if isinstance(p, UploadFile) else text_part_bytes(p) for p in parts]
     files = parts
     if not with_labels:

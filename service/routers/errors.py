@@ -5,6 +5,7 @@ document lists them with this body."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from .. import errors
@@ -28,6 +30,7 @@ DOMAIN_STATUS = {
     errors.NoClassesYet: 409,
     errors.SnapshotFailed: 503,
     errors.Unavailable: 503,
+    errors.StorageFull: 507,
     errors.NoSnapshotYet: 503,
 }
 
@@ -36,12 +39,15 @@ STATUS_TEXT = {
     401: "Missing bearer token",
     403: "This token may not do this",
     404: "No such resource",
+    408: "The body stalled: send it again",
     409: "Conflicts with the service's state",
     413: "Body, image or sample count over the limit",
     415: "Unsupported media type or image format",
     422: "Invalid request (fields, labels, ids, images)",
     503: "Not available now; retry later",
+    507: "The disk is full: nothing was stored; retry after Retry-After seconds",
 }
+RETRY_AFTER_S = {503: 5, 507: 30}  # statuses a client should retry, and after how long
 
 
 class ErrorBody(BaseModel):
@@ -55,6 +61,8 @@ def error_responses(*codes: int) -> dict:
 
 
 def error_json(code: str, detail, status: int, headers: dict | None = None) -> JSONResponse:
+    if status in RETRY_AFTER_S:
+        headers = {"Retry-After": str(RETRY_AFTER_S[status]), **(headers or {})}
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
@@ -92,6 +100,12 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_json(code, exc.detail, exc.status_code, headers)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_went_away(request: Request, exc: ClientDisconnect):
+        # not a server error: nothing was stored, and nobody is left to read an answer
+        log.info("client disconnected before sending the whole body of %s %s", request.method, request.url.path)
+        return error_json("client_disconnected", "the client closed the connection mid-body", 400)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
@@ -115,10 +129,13 @@ def _leaf_routes(routes):
 
 
 class BodyLimit:
-    """Refuses bodies over max_bytes with 413, by Content-Length or while streaming."""
+    """Refuses bodies over max_bytes with 413, by Content-Length or while streaming, and a body
+    that stalls for `read_timeout_s` between two of its chunks with 408 (a slow client must not
+    hold a connection for ever). Paths in `exempt` (the NDJSON stream: unbounded, and idle between
+    a device's samples) are checked per message by their route instead."""
 
-    def __init__(self, app, max_bytes: int, exempt: frozenset[str] = frozenset()):
-        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
+    def __init__(self, app, max_bytes: int, read_timeout_s: float, exempt: frozenset[str] = frozenset()):
+        self.app, self.max_bytes, self.read_timeout_s, self.exempt = app, max_bytes, read_timeout_s, exempt
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.exempt:
@@ -128,13 +145,19 @@ class BodyLimit:
             body = error_json("body_too_large", f"the body ({length.decode(errors='replace')} bytes) exceeds "
                               f"{self.max_bytes} bytes", 413)
             return await body(scope, receive, send)
-        seen = 0
+        seen, complete = 0, False
 
         async def limited():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # after the body only a disconnect can come, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                raise InputError("request_timeout", f"the body stalled for {self.read_timeout_s:g} s", 408) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if seen > self.max_bytes:
                     raise InputError("body_too_large", f"the body exceeds {self.max_bytes} bytes", 413)
             return message

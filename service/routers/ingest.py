@@ -98,7 +98,7 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
 
     @api.post("/samples", status_code=201, response_model=IngestAck, dependencies=[require(settings, "write")],
               openapi_extra=models.ingest_body(),
-              responses=error_responses(400, 401, 403, 409, 413, 415, 422))
+              responses=error_responses(400, 401, 403, 409, 413, 415, 422, 507))
     async def post_samples(request: Request):
         """One or many labelled images: JSON (`{label, image, id?}` or `{samples: [...]}`, images in
         base64) or multipart (`image` files, `label` fields: one for all or one per image, optional

@@ -75,7 +75,7 @@ def router(settings: Settings) -> APIRouter:
         return Response(data, media_type="image/png", headers={"Cache-Control": "no-cache"})
 
     @api.delete("/classes/{label:path}", response_model=ForgottenClass, dependencies=[require(settings, "admin")],
-                responses=error_responses(401, 403, 404, 422))
+                responses=error_responses(401, 403, 404, 422, 507))
     async def forget_class(request: Request, label: str):
         """Forget a class for good: every sample of it leaves the ingest log (trained or not) and
         the replay memory, the model stops predicting it, snapshots holding it are deleted, and

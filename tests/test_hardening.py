@@ -1,0 +1,227 @@
+"""Months unattended: a full disk, clients that stall or vanish, labels that look alike, one
+answer per rule, one version, counters that are counters. Real uvicorn servers on loopback,
+real CIFAR-10 JPEGs, a real (tmpfs) filesystem that fills up."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import time
+import unicodedata
+
+import httpx
+import pytest
+
+import service
+from service.durable import write_durably
+
+from .test_service import Server, b64, jpegs, status, wait_trained  # noqa: F401  (jpegs: a fixture)
+
+TIMEOUT = 60  # what the server may take on a busy machine (a step, a commit under load)
+
+
+def post_samples(server, samples, **kw):
+    body = {"samples": [{"label": label, "image": b64(img)} for label, img in samples]}
+    return httpx.post(f"{server.url}/samples", json=body, timeout=TIMEOUT, **kw)
+
+
+def stream_acks(server, lines: list[dict]) -> list[dict]:
+    body = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    r = httpx.post(f"{server.url}/samples/stream", content=body, timeout=TIMEOUT,
+                   headers={"content-type": "application/x-ndjson"})
+    return [json.loads(x) for x in r.text.splitlines()]
+
+
+def ws_ack(server, message: dict) -> dict:
+    from websockets.sync.client import connect
+
+    with connect(server.url.replace("http", "ws") + "/samples/ws", open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps(message))
+        return json.loads(ws.recv(timeout=TIMEOUT))
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("svc"), max_classes=2, max_samples_per_request=3,
+               header_timeout_s=1, body_timeout_s=1).start()
+    yield s
+    s.stop()
+
+
+def test_a_forgotten_class_no_longer_counts_against_the_limit(strict_server, jpegs):
+    airplane, frog = jpegs[0][1], jpegs[-1][1]
+    assert post_samples(strict_server, [("a", airplane), ("b", frog)]).status_code == 201
+    refused = post_samples(strict_server, [("c", airplane)])
+    assert refused.status_code == 409 and refused.json()["error"] == "too_many_classes"
+    assert httpx.delete(f"{strict_server.url}/classes/a", timeout=TIMEOUT).status_code == 200
+    assert post_samples(strict_server, [("c", airplane)]).status_code == 201
+    assert sorted(status(strict_server)["classes"]) == ["b", "c"]
+    assert post_samples(strict_server, [("a", airplane)]).json()["error"] == "too_many_classes"
+
+
+@pytest.mark.parametrize("label", ["\u200b", "\u202e", "\ufeff", "b\u200d", "\u2066b"])
+def test_invisible_labels_are_refused_in_every_form(strict_server, jpegs, label):
+    image = jpegs[0][1]
+    received = status(strict_server)["samples_received"]
+    r = post_samples(strict_server, [(label, image)])
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+    r = httpx.post(f"{strict_server.url}/samples", files={"image": ("x.jpg", image, "image/jpeg")},
+                   data={"label": label}, timeout=TIMEOUT)
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+    ack = stream_acks(strict_server, [{"label": label, "image": b64(image)}])[0]
+    assert ack["status"] == 422 and ack["error"] == "invalid_request"
+    assert ws_ack(strict_server, {"label": label, "image": b64(image)})["status"] == 422
+    assert status(strict_server)["samples_received"] == received
+
+
+def test_labels_that_look_alike_are_one_class(tmp_path, jpegs):
+    server = Server(tmp_path / "svc").start()
+    try:
+        decomposed, composed = "cafe\u0301", "caf\u00e9"
+        assert unicodedata.normalize("NFC", decomposed) == composed and decomposed != composed
+        assert post_samples(server, [(decomposed, jpegs[0][1]), (composed, jpegs[1][1])]).status_code == 201
+        assert status(server)["classes"] == [composed]
+    finally:
+        server.stop()
+
+
+def test_too_many_samples_is_one_answer_in_every_form(strict_server, jpegs):
+    image = jpegs[0][1]
+    answers = [post_samples(strict_server, [("b", image)] * 4),
+               httpx.post(f"{strict_server.url}/samples", files=[("image", ("x.jpg", image, "image/jpeg"))] * 4,
+                          data={"label": "b"}, timeout=TIMEOUT),
+               httpx.post(f"{strict_server.url}/samples", files=[("image", ("x.jpg", image, "image/jpeg"))] * 5,
+                          data={"label": "b"}, timeout=TIMEOUT),
+               httpx.post(f"{strict_server.url}/predict", json={"images": [b64(image)] * 4}, timeout=TIMEOUT),
+               httpx.post(f"{strict_server.url}/predict", files=[("image", ("x.jpg", image, "image/jpeg"))] * 5,
+                          timeout=TIMEOUT)]
+    assert [(r.status_code, r.json()["error"]) for r in answers] == [(413, "too_many_samples")] * 5
+    ack = stream_acks(strict_server, [{"samples": [{"label": "b", "image": b64(image)}] * 4}])[0]
+    assert (ack["status"], ack["error"]) == (413, "too_many_samples")
+
+
+@pytest.mark.parametrize("field", ["", "labels", "extra"])
+def test_an_unknown_multipart_field_is_refused_as_in_json(strict_server, jpegs, field):
+    received = status(strict_server)["samples_received"]
+    r = httpx.post(f"{strict_server.url}/samples", files={"image": ("x.jpg", jpegs[0][1], "image/jpeg")},
+                   data={"label": "b", field: "x"}, timeout=TIMEOUT)
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request" and "unknown" in r.json()["detail"]
+    assert status(strict_server)["samples_received"] == received
+
+
+def raw_socket(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return sock
+
+
+@pytest.mark.parametrize("path", ["/samples", "/predict"])
+def test_a_client_that_vanishes_mid_body_is_not_a_server_error(strict_server, path):
+    log_before = strict_server.log_path.read_text()
+    for _ in range(5):
+        with contextlib.closing(raw_socket(strict_server)) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 100\r\n\r\n{\"label\": \"b\"".encode())
+    time.sleep(0.5)
+    new = strict_server.log_path.read_text()[len(log_before):]
+    assert "Traceback" not in new and "unexpected error" not in new
+    assert httpx.get(f"{strict_server.url}/readyz", timeout=TIMEOUT).status_code == 200
+
+
+def test_slow_clients_are_cut_off(strict_server):
+    """Half a header: closed after the header timeout (1 s here); half a body: 408."""
+    half_header = raw_socket(strict_server)
+    half_header.sendall(b"POST /samples HTTP/1.1\r\nHost: x\r\nContent-")
+    half_body = raw_socket(strict_server)
+    half_body.sendall(b"POST /samples HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"label\"")
+    silent = raw_socket(strict_server)
+    t0 = time.monotonic()
+    assert half_header.recv(1024) == b"" and silent.recv(1024) == b""  # closed by the server
+    answer = b"".join(iter(lambda: half_body.recv(4096), b"")).decode()  # until the server closes
+    assert time.monotonic() - t0 < 8
+    assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
+    for s in (half_header, half_body, silent):
+        s.close()
+
+
+def test_one_version_everywhere(strict_server):
+    info = httpx.get(f"{strict_server.url}/openapi.json", timeout=TIMEOUT).json()["info"]
+    assert info["version"] == service.__version__ == importlib.metadata.version("aser-service")
+
+
+def test_failure_totals_are_counters_and_scrapes_leave_no_access_log(strict_server):
+    before = strict_server.log_path.read_text().count("/metrics")
+    for _ in range(3):
+        text = httpx.get(f"{strict_server.url}/metrics", timeout=TIMEOUT).text
+    for name in ("aser_snapshot_failures", "aser_samples_quarantined"):
+        assert f"# TYPE {name}_total counter" in text and f"\n{name}_total 0.0" in text
+    httpx.get(f"{strict_server.url}/status", timeout=TIMEOUT)
+    time.sleep(0.3)
+    log = strict_server.log_path.read_text()
+    assert log.count("/metrics") == before and '"GET /status HTTP/1.1" 200' in log
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs (skipped where this machine cannot mount one)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(path) -> None:
+    """Write `path` until the filesystem has no byte left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for chunk in (1 << 20, 4096, 1):
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * chunk):
+                    pass
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_durable_write_leaves_no_temporary_file(small_disk):
+    fill(small_disk / "filler")
+    with pytest.raises(OSError):
+        write_durably(small_disk / "learner-1.pt", b"x" * (4 << 20))
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
+def test_a_full_disk_answers_507_and_recovers_by_itself(small_disk, jpegs):
+    data_dir = small_disk / "data"
+    (data_dir / "checkpoints").mkdir(parents=True)
+    leftover = data_dir / "checkpoints" / "learner-000000000007-1.pt.tmp"  # a crash's leftover
+    leftover.write_bytes(b"x" * 1000)
+    server = Server(data_dir, checkpoint_every_steps=1, batch_size=10, snapshot_every_steps=0).start()
+    try:
+        assert not leftover.exists()  # removed at start-up
+        assert post_samples(server, jpegs[:20]).status_code == 201
+        wait_trained(server, 20)
+        fill(small_disk / "filler")
+        image = jpegs[20][1]
+        answers = [post_samples(server, [("frog", image)]) for _ in range(3)]
+        assert all(r.status_code == 507 and r.json()["error"] == "storage_full" for r in answers)
+        assert all(int(r.headers["retry-after"]) > 0 for r in answers)
+        ack = stream_acks(server, [{"label": "frog", "image": b64(image)}])[0]
+        assert (ack["status"], ack["error"]) == (507, "storage_full")
+        assert ws_ack(server, {"label": "frog", "image": b64(image)})["status"] == 507
+        assert status(server)["samples_received"] == 20  # nothing stored
+        assert not list((data_dir / "checkpoints").glob("*.tmp"))
+        (small_disk / "filler").unlink()  # space comes back: no restart needed
+        r = post_samples(server, jpegs[20:30])
+        assert r.status_code == 201 and r.json()["seqs"] == list(range(21, 31))
+        assert wait_trained(server, 30)["samples_received"] == 30
+        log = server.log_path.read_text()
+        assert log.count("is full; writes are refused") == 1 and "space is back" in log
+        assert "Traceback" not in log
+    finally:
+        server.stop()
