@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import httpx
 
-RETRY_STATUSES = {429, 500, 502, 503, 504}
+RETRY_STATUSES = {429, 500, 502, 503, 504, 507}  # 507: the service's disk is full, for now
 
 
 class ServiceError(RuntimeError):
@@ -44,6 +44,20 @@ def encode_sample(label: str, image: bytes, sample_id: str | None = None) -> dic
     if sample_id is not None:
         sample["id"] = sample_id
     return sample
+
+
+def retry_after(failure: Exception | httpx.Response, cap: float = 60.0) -> float:
+    """The seconds an answer's Retry-After header asks for (0 without one), at most `cap`.
+
+    >>> retry_after(httpx.Response(507, headers={"Retry-After": "30"}))
+    30.0
+    """
+    if not isinstance(failure, httpx.Response):
+        return 0.0
+    try:
+        return min(cap, float(failure.headers.get("retry-after", 0)))
+    except ValueError:
+        return 0.0
 
 
 class Retry:
@@ -89,7 +103,7 @@ class ServiceClient:
                 if isinstance(failure, httpx.Response):
                     return failure
                 raise failure
-            time.sleep(pause)
+            time.sleep(max(pause, retry_after(failure)))
 
     def _json(self, method: str, path: str, **kwargs) -> dict:
         return self._check(self._send(method, path, **kwargs))

@@ -56,14 +56,29 @@ class Database:
         self._all: list[sqlite3.Connection] = [self._writer]
         self._all_lock = threading.Lock()
         self.full = False  # the last write failed for want of space (logged once until one succeeds)
+        self._incremental_vacuum()
+
+    def _incremental_vacuum(self) -> None:
+        """Free pages can go back to the file system (retention). Set before the first table; a
+        database made before this gets one VACUUM at start-up (its size in temporary space)."""
+        conn = self._writer
+        if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+            return
+        log.info("storage: converting %s to incremental auto-vacuum (one VACUUM)", self.path)
+        try:
+            conn.execute("VACUUM")
+        except sqlite3.Error as exc:  # no room for the copy, say: pages are still reused, not returned
+            log.warning("storage: VACUUM failed (%s); freed pages will be reused, not returned", exc)
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: sqlite3 opens no implicit transactions; ours are explicit
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before WAL writes page 1: a new file starts with it
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
         conn.execute("PRAGMA busy_timeout=10000")
+        conn.execute("PRAGMA journal_size_limit=16777216")  # the WAL shrinks back to 16 MiB after a checkpoint
         conn.execute("PRAGMA foreign_keys=ON")
         return conn
 
@@ -94,6 +109,25 @@ class Database:
             self.full = True
             log.error("storage: the disk holding %s is full; writes are refused (507) until space returns",
                       self.path)
+
+    def incremental_vacuum(self, pages: int) -> None:
+        """Give up to `pages` free pages back to the file system, in one short write transaction.
+        (executescript: the sqlite3 module's execute steps the pragma once, freeing one page.)"""
+        with self._write_lock:
+            try:
+                self._writer.executescript(f"BEGIN IMMEDIATE; PRAGMA incremental_vacuum({int(pages)}); COMMIT;")
+            except BaseException as exc:
+                if self._writer.in_transaction:
+                    with suppress(sqlite3.Error):
+                        self._writer.execute("ROLLBACK")
+                if is_disk_full(exc):
+                    raise StorageFull("the disk is full") from exc
+                raise
+
+    def checkpoint_wal(self) -> None:
+        """Copy the write-ahead log into the database and truncate it."""
+        with self._write_lock, suppress(sqlite3.Error):  # readers may hold it: the next call tries again
+            self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:

@@ -59,6 +59,19 @@ class Metrics:
         self.new_class_samples = Gauge("aser_online_new_class_samples", "Samples of a class the model had not "
                                        "learned yet when they arrived", registry=r)
         self.worker_up = Gauge("aser_worker_up", "1 while the learner worker runs", registry=r)
+        self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",
+                                    registry=r)
+        self.retention_pixels = Counter("aser_retention_pixels_dropped", "Trained samples whose pixels retention "
+                                        "dropped", registry=r)
+        self.retention_ids = Counter("aser_retention_ids_dropped", "Rows (sample ids) retention deleted past the "
+                                     "exactly-once horizon", registry=r)
+        self.retention_freed = Counter("aser_retention_freed_bytes", "Bytes retention gave back to the file system",
+                                       registry=r)
+
+    def observe_retention(self, run: dict) -> None:
+        self.retention_pixels.inc(run["pixels_dropped"])
+        self.retention_ids.inc(run["ids_dropped"])
+        self.retention_freed.inc(run["freed_bytes"])
 
     def observe_status(self, status: dict) -> None:
         """Set the gauges from a /status answer (read at scrape time)."""
@@ -67,6 +80,7 @@ class Metrics:
         self.status_counters.values.update(aser_samples_quarantined=status["worker"]["quarantined"],
                                            aser_snapshot_failures=status["worker"]["snapshot_failures"])
         self.worker_up.set(1 if status["worker"]["alive"] else 0)
+        self.database_bytes.set(status["storage"]["database_bytes"])
         online = status["online"]
         self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))
         self.online_window_accuracy.set(online["window_accuracy"] if online["window_accuracy"] is not None

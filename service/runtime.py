@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .batching import PredictBatcher
 from .db import Database
 from .metrics import Metrics
+from .retention import Retention, RetentionPolicy
 from .settings import Settings
 from .store import IngestLog
 from .worker import LearnerWorker
@@ -22,6 +23,7 @@ class Runtime:
     store: IngestLog
     worker: LearnerWorker
     batcher: PredictBatcher
+    retention: Retention
     started: float = field(default_factory=time.time)
 
     @classmethod
@@ -32,8 +34,12 @@ class Runtime:
         worker.start()
         batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
                                  settings.predict_max_batch, on_batch=metrics.predict_batch.observe)
-        return cls(settings, metrics, db, store, worker, batcher)
+        policy = RetentionPolicy(settings.retain_pixels_s, int(settings.retain_max_mb * 2**20), settings.retain_ids_s)
+        retention = Retention(db, policy, settings.retain_every_s, on_run=metrics.observe_retention)
+        retention.start()
+        return cls(settings, metrics, db, store, worker, batcher, retention)
 
     def close(self) -> None:
+        self.retention.stop()
         self.worker.stop()
         self.db.close()

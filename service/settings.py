@@ -66,6 +66,15 @@ class Settings(BaseSettings):
     snapshot_timeout_s: float = Field(120.0, gt=0)
     snapshot_keep: int = Field(20, ge=1, description="keep the newest N snapshots; older files and rows are removed")
 
+    # retention (service.retention): the ingest log's disk stays bounded for months
+    retain_pixels_s: float = Field(86400.0, ge=0, description="drop the pixels of samples a checkpoint has trained "
+                                   "on once they are this old (the memory keeps its own copies)")
+    retain_max_mb: float = Field(1024.0, ge=0, description="and, oldest first, while the database is larger than "
+                                 "this (0: no cap)")
+    retain_ids_s: float = Field(30 * 86400.0, ge=0, description="keep the rows of dropped pixels (sequence number, "
+                                "class, sample id) this long: the horizon of exactly-once ingest across retries")
+    retain_every_s: float = Field(60.0, gt=0, description="how often retention runs (0 pixels, 0 ids: each run)")
+
     # input limits
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_image_bytes: int = Field(1024 * 1024, ge=64)

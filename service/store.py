@@ -166,7 +166,8 @@ def _already_stored(conn: sqlite3.Connection, s: NewSample) -> Stored | None:
                        "WHERE s.sample_id = ?", (s.sample_id,)).fetchone()
     if row is None:
         return None
-    _same_or_conflict(NewSample(row["name"], row["image"], s.sample_id), s)
+    # retention may have dropped the pixels of a trained sample (service.retention): the label decides
+    _same_or_conflict(NewSample(row["name"], row["image"] or s.pixels, s.sample_id), s)
     return Stored(row["seq"], duplicate=True)
 
 

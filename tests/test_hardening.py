@@ -225,3 +225,69 @@ def test_a_full_disk_answers_507_and_recovers_by_itself(small_disk, jpegs):
         assert "Traceback" not in log
     finally:
         server.stop()
+
+
+def db_rows(data_dir) -> list[tuple[int, int, str | None]]:
+    """(seq, bytes of pixels, sample id) of every ingest-log row, read from the file itself."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(data_dir / "aser.db")) as conn:
+        return conn.execute("SELECT seq, length(image), sample_id FROM samples ORDER BY seq").fetchall()
+
+
+def post_with_ids(server, samples, ids):
+    body = {"samples": [{"label": label, "image": b64(img), "id": i} for (label, img), i in zip(samples, ids)]}
+    return httpx.post(f"{server.url}/samples", json=body, timeout=TIMEOUT)
+
+
+def wait_for(predicate, timeout=60, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not hold within {timeout} s")
+
+
+def test_retention_drops_trained_pixels_keeps_ids_and_gives_space_back(tmp_path, jpegs):
+    data_dir = tmp_path / "svc"
+    server = Server(data_dir, retain_pixels_s=0, retain_every_s=0.5, checkpoint_every_steps=1, batch_size=10,
+                    snapshot_every_steps=0).start()
+    try:
+        ids = [f"cam1-{i:04d}" for i in range(40)]
+        assert post_with_ids(server, jpegs, ids).status_code == 201
+        wait_trained(server, 40)
+        dropped = wait_for(lambda: status(server)["storage"]["retention_pixels_dropped"] >= 40, what="retention")
+        assert dropped
+        assert [r[1] for r in db_rows(data_dir)] == [0] * 40 and [r[2] for r in db_rows(data_dir)] == ids
+        again = post_with_ids(server, jpegs[:5], ids[:5]).json()  # a client's retry: stored once
+        assert again["duplicates"] == 5 and again["seqs"] == [1, 2, 3, 4, 5]
+        assert status(server)["samples_received"] == 40 and len(status(server)["buffer"]) == 2  # memory kept
+        metrics = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+        assert "aser_retention_pixels_dropped_total 40.0" in metrics and "aser_database_bytes " in metrics
+        # untrained samples keep their pixels; a restart after a kill trains on them, nothing lost
+        server.kill()
+        server.start()
+        assert post_with_ids(server, jpegs[:10], [f"cam2-{i}" for i in range(10)]).status_code == 201
+        st = wait_trained(server, 50)
+        assert st["samples_received"] == 50 and st["backlog"] == 0
+    finally:
+        server.stop()
+
+
+def test_retention_caps_the_database_and_forgets_ids_past_their_horizon(tmp_path, jpegs):
+    data_dir = tmp_path / "svc"
+    server = Server(data_dir, retain_pixels_s=1e9, retain_max_mb=0.1, retain_ids_s=2, retain_every_s=0.5,
+                    checkpoint_every_steps=1, batch_size=10, snapshot_every_steps=0, image_size=32).start()
+    try:
+        ids = [f"cam1-{i:04d}" for i in range(40)]
+        assert post_with_ids(server, jpegs, ids).status_code == 201
+        wait_trained(server, 40)
+        wait_for(lambda: status(server)["storage"]["retention_ids_dropped"] >= 1, what="the id horizon")
+        rows = db_rows(data_dir)
+        assert len(rows) < 40  # the oldest pixels went over the cap, then their rows past the horizon
+        r = post_with_ids(server, jpegs[:1], ids[:1]).json()  # beyond the horizon: a new sample
+        assert r["stored"] == 1 and r["seqs"] == [41]
+    finally:
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import Annotated
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..online import HistoryPoint
+from ..retention import database_bytes
 from ..runtime import Runtime
 from ..settings import Settings
 from ..store import by_label
@@ -50,6 +52,16 @@ class OnlineFigures(BaseModel):
     per_class: dict[str, ClassAccuracy]
 
 
+class Storage(BaseModel):
+    database_bytes: int = Field(description="the SQLite database on disk, its write-ahead log included")
+    disk_free_bytes: int = Field(description="free space on the data directory's file system")
+    retention_pixels_dropped: int = Field(description="trained samples whose pixels retention dropped (this run)")
+    retention_ids_dropped: int = Field(description="rows deleted past the exactly-once horizon (this run)")
+    retention_freed_bytes: int = Field(description="bytes given back to the file system (this run)")
+    retention_last_run: float | None
+    retention_last_error: str | None
+
+
 class Status(BaseModel):
     samples_received: int = Field(description="samples acknowledged since the log began")
     samples_trained: int = Field(description="samples in the model's lineage")
@@ -67,6 +79,7 @@ class Status(BaseModel):
     worker: WorkerHealth
     error: str | None = Field(description="why the worker thread ended, if it did")
     device: str
+    storage: Storage
     uptime_s: float
 
 
@@ -97,8 +110,17 @@ def status(rt: Runtime) -> dict:
                    "recent_quarantine": recent},
         "error": None if worker.error is None else repr(worker.error),
         "device": worker.device,
+        "storage": storage(rt),
         "uptime_s": round(time.time() - rt.started, 1),
     }
+
+
+def storage(rt: Runtime) -> dict:
+    t = rt.retention.totals
+    return {"database_bytes": database_bytes(rt.db), "disk_free_bytes": shutil.disk_usage(rt.settings.data_dir).free,
+            "retention_pixels_dropped": t.pixels_dropped, "retention_ids_dropped": t.ids_dropped,
+            "retention_freed_bytes": t.freed_bytes, "retention_last_run": t.last_run,
+            "retention_last_error": t.last_error}
 
 
 def router(settings: Settings) -> APIRouter:

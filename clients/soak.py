@@ -1,0 +1,140 @@
+"""Soak run: weeks of a device's stream compressed into minutes, against a real service on
+loopback with retention set small, to show that the disk and the memory stay flat once
+retention starts, that nothing acknowledged is lost, and that no request gets a 5xx.
+
+It starts a fresh service (ER by default, so the learner keeps up; `--env` for others) with a
+temporary data directory, checkpoints every 10 steps and retention every 2 s that drops trained
+pixels at once and sample ids after 60 s (the defaults: a day and 30 days), then sends real CIFAR-10 JPEGs with unique sample ids at `--rate` samples/s for
+`--minutes`, retrying each request until it is acknowledged (a 507 or a lost answer is
+retried with the same ids, so it is stored once). Every `--every` seconds it records the
+database's size on disk, the service's resident memory, received / trained / backlog and the
+retention totals. At the end it stops the service and checks, in the database file itself, that
+every acknowledged id within the id horizon is there exactly once, under the sequence number it was
+acknowledged with, and that the log's rows are exactly the sequence numbers acknowledged.
+
+    python -m clients.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/soak-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .api import Retry, ServiceClient, ServiceError
+from .local_service import LocalService, real_jpegs
+
+SOAK_ENV = {"ASER_METHOD": "er", "ASER_LOSS": "ace", "ASER_CHECKPOINT_EVERY_STEPS": "10",
+            "ASER_SNAPSHOT_EVERY_STEPS": "0", "ASER_RETAIN_PIXELS_S": "0", "ASER_RETAIN_EVERY_S": "2",
+            "ASER_RETAIN_IDS_S": "60", "ASER_HISTORY_EVERY_STEPS": "50"}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def send_until_acknowledged(client: ServiceClient, batch: list[tuple[str, bytes, str]], answers: dict) -> list[int]:
+    """POST one batch with its ids until it is acknowledged; counts every status seen."""
+    while True:
+        try:
+            ack = client.add_samples([c for c, _, _ in batch], [b for _, b, _ in batch], ids=[i for _, _, i in batch])
+            answers["201"] = answers.get("201", 0) + 1
+            return ack["seqs"]
+        except ServiceError as exc:
+            answers[str(exc.status)] = answers.get(str(exc.status), 0) + 1
+            time.sleep(1 if exc.status != 507 else 5)
+        except httpx.TransportError:
+            answers["transport_error"] = answers.get("transport_error", 0) + 1
+            time.sleep(1)
+
+
+def verify(db_path: Path, acknowledged: dict[str, int], horizon_seq: int) -> dict:
+    """Every acknowledged id after `horizon_seq` (older ones may be past the id horizon) once, under
+    the sequence number it was acknowledged with; no row that was not acknowledged; received = sent."""
+    with contextlib.closing(sqlite3.connect(db_path)) as conn:
+        rows = dict(conn.execute("SELECT sample_id, seq FROM samples WHERE sample_id IS NOT NULL"))
+        last = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'samples'").fetchone()[0]
+    recent = {i: seq for i, seq in acknowledged.items() if seq > horizon_seq}
+    missing = [i for i in recent if i not in rows]
+    moved = [i for i, seq in recent.items() if i in rows and rows[i] != seq]
+    stray = [i for i in rows if i not in acknowledged]
+    return {"acknowledged": len(acknowledged), "last_seq": last, "checked": len(recent), "in_log": len(rows),
+            "missing": len(missing), "moved": len(moved), "not_acknowledged": len(stray)}
+
+
+def soak(args) -> dict:
+    samples = real_jpegs(Path(args.data), 2000)
+    env = {**SOAK_ENV, **dict(kv.split("=", 1) for kv in args.env)}
+    data_dir = Path(tempfile.mkdtemp(prefix="aser-soak-")) / "data"
+    service = LocalService(data_dir, env).start()
+    client = ServiceClient(service.url, timeout=60, retry=Retry(attempts=1))  # every answer counted here
+    answers: dict[str, int] = {}
+    acknowledged: dict[str, int] = {}
+    series = []
+    t0 = time.monotonic()
+    next_point, sent = 0.0, 0
+    try:
+        while (elapsed := time.monotonic() - t0) < args.minutes * 60:
+            due = int(elapsed * args.rate) - sent
+            if due >= args.batch:
+                batch = [(samples[(sent + j) % len(samples)][0], samples[(sent + j) % len(samples)][1],
+                          f"soak-{sent + j:08d}") for j in range(args.batch)]
+                for (_, _, sid), seq in zip(batch, send_until_acknowledged(client, batch, answers)):
+                    acknowledged[sid] = seq
+                sent += args.batch
+            else:
+                time.sleep(0.01)
+            if elapsed >= next_point:
+                st = client.status()
+                series.append({"t_s": round(elapsed, 1), "database_bytes": st["storage"]["database_bytes"],
+                               "rss_bytes": rss_bytes(service.proc.pid), "received": st["samples_received"],
+                               "trained": st["samples_trained"], "backlog": st["backlog"],
+                               "pixels_dropped": st["storage"]["retention_pixels_dropped"],
+                               "freed_bytes": st["storage"]["retention_freed_bytes"]})
+                print(json.dumps(series[-1]), flush=True)
+                next_point += args.every
+        horizon_seq = series[-1]["received"] - int(args.rate * 60)  # ids younger than the 60 s horizon
+    finally:
+        service.stop()
+    return {"settings": env, "rate_per_s": args.rate, "minutes": args.minutes, "batch": args.batch,
+            "answers": answers, "series": series, "check": verify(data_dir / "aser.db", acknowledged, horizon_seq),
+            "command": "python -m clients.soak " + " ".join(sys.argv[1:]),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clients.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="the CIFAR-10 zip (real JPEGs to send)")
+    p.add_argument("--rate", type=float, default=30.0, help="samples per second")
+    p.add_argument("--batch", type=int, default=10, help="samples per request")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--every", type=float, default=10.0, help="seconds between two points of the series")
+    p.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a service setting (repeatable)")
+    p.add_argument("--out", help="write the result JSON here")
+    args = p.parse_args(argv)
+    result = soak(args)
+    first = next((p for p in result["series"] if p["pixels_dropped"] > 0), result["series"][-1])
+    print(f"answers {result['answers']}; check {result['check']}; database {first['database_bytes']} B when "
+          f"retention began, {result['series'][-1]['database_bytes']} B at the end")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    fivexx = sum(n for code, n in result["answers"].items() if code.startswith("5") and code != "507")
+    check = result["check"]
+    ok = not (check["missing"] or check["moved"] or check["not_acknowledged"] or fivexx)
+    return 0 if ok and check["last_seq"] == check["acknowledged"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Retention: a service that runs for months keeps the ingest log's disk bounded.
+
+A sample's pixels are needed until a committed checkpoint has trained on it (after a crash the
+worker trains again on everything past the checkpoint's `trained_upto`); the replay memory keeps
+its own copies (the checkpoint's `buffer` rows). So, in the background, every
+`ASER_RETAIN_EVERY_S`:
+
+1. the pixels of samples at or before the last checkpoint's `trained_upto` are dropped once they
+   are older than `ASER_RETAIN_PIXELS_S`, or, oldest first, while the database is larger than
+   `ASER_RETAIN_MAX_MB`; the row stays (sequence number, class, time, sample id);
+2. rows without pixels are deleted once older than `ASER_RETAIN_IDS_S`: a retry with a sample id
+   is recognised (stored once) within that horizon;
+3. the freed pages go back to the file system by `PRAGMA incremental_vacuum`, a few at a time.
+
+Every step is a short write transaction of its own, so ingest never waits long behind it.
+Untrained samples are never touched: a backlog that fills the disk meets the 507 answer instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .db import Database
+
+log = logging.getLogger("aser.retention")
+
+PURGE_BATCH = 500  # rows per transaction
+INCREMENTAL = 2  # PRAGMA auto_vacuum's value for incremental
+VACUUM_PAGES = 256  # pages given back per transaction
+
+
+@dataclass
+class RetentionPolicy:
+    pixels_s: float  # keep trained pixels this long (0: drop them at the next checkpoint)
+    max_bytes: int  # drop trained pixels, oldest first, while the database is larger (0: no cap)
+    ids_s: float  # keep the rows (sample ids) of dropped pixels this long
+
+
+@dataclass
+class RetentionTotals:
+    pixels_dropped: int = 0
+    ids_dropped: int = 0
+    freed_bytes: int = 0
+    runs: int = 0
+    last_run: float | None = None
+    errors: int = 0
+    last_error: str | None = field(default=None)
+
+
+def database_bytes(db: Database) -> int:
+    """The database's size on disk, its write-ahead log included."""
+    return sum(p.stat().st_size for p in (db.path, db.path.with_name(db.path.name + "-wal")) if p.exists())
+
+
+class Retention:
+    def __init__(self, db: Database, policy: RetentionPolicy, every_s: float, on_run=None):
+        self.db, self.policy, self.every_s = db, policy, every_s
+        self.totals = RetentionTotals()
+        self.on_run = on_run  # called with the figures of each run (metrics)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="retention", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.run_once()
+            except Exception as exc:  # a full disk, say: the next run tries again
+                self.totals.errors += 1
+                self.totals.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("retention run failed: %s", self.totals.last_error)
+
+    def run_once(self, now: float | None = None) -> dict:
+        """One pass of the three steps; returns what it did."""
+        now = time.time() if now is None else now
+        before = database_bytes(self.db)
+        upto = self._trained_upto()
+        dropped = self._drop_pixels(upto, "received < ?", (now - self.policy.pixels_s,))
+        if self.policy.max_bytes:
+            dropped += self._drop_pixels_over_cap(upto)
+        ids = self._delete_rows(upto, now - self.policy.ids_s)
+        self._vacuum()
+        done = {"pixels_dropped": dropped, "ids_dropped": ids, "freed_bytes": max(0, before - database_bytes(self.db))}
+        t = self.totals
+        t.pixels_dropped, t.ids_dropped, t.freed_bytes = (t.pixels_dropped + dropped, t.ids_dropped + ids,
+                                                          t.freed_bytes + done["freed_bytes"])
+        t.runs, t.last_run = t.runs + 1, now
+        if self.on_run is not None:
+            self.on_run(done)
+        return done
+
+    def _trained_upto(self) -> int:
+        with self.db.read() as conn:
+            row = conn.execute("SELECT trained_upto FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
+        return row["trained_upto"] if row else 0
+
+    def _drop_pixels(self, upto: int, condition: str, args: tuple, limit: int | None = None) -> int:
+        """Drop the image of trained samples matching `condition`, oldest first, in batches. A row
+        is deleted and written again without pixels: emptying the blob in place would leave
+        each page holding its one shrunken row, so no page would ever come free."""
+        dropped = 0
+        while limit is None or dropped < limit:
+            batch = PURGE_BATCH if limit is None else min(PURGE_BATCH, limit - dropped)
+            with self.db.write() as conn:
+                rows = conn.execute(f"SELECT seq, class_id, received, sample_id FROM samples WHERE seq <= ? AND "
+                                    f"length(image) > 0 AND {condition} ORDER BY seq LIMIT ?",
+                                    (upto, *args, batch)).fetchall()
+                conn.executemany("DELETE FROM samples WHERE seq = ?", [(r["seq"],) for r in rows])
+                conn.executemany("INSERT INTO samples (seq, class_id, image, received, sample_id) "
+                                 "VALUES (?, ?, X'', ?, ?)", [tuple(r) for r in rows])
+            dropped += len(rows)
+            if len(rows) < batch:
+                break
+        return dropped
+
+    def _drop_pixels_over_cap(self, upto: int) -> int:
+        """Oldest trained pixels first, while the database's pages in use exceed the cap."""
+        dropped = 0
+        while True:
+            with self.db.read() as conn:
+                page = conn.execute("PRAGMA page_size").fetchone()[0]
+                used = page * (conn.execute("PRAGMA page_count").fetchone()[0]
+                               - conn.execute("PRAGMA freelist_count").fetchone()[0])
+                average = conn.execute("SELECT AVG(length(image)) FROM (SELECT image FROM samples WHERE seq <= ? "
+                                       "AND length(image) > 0 ORDER BY seq LIMIT 100)", (upto,)).fetchone()[0]
+            if used <= self.policy.max_bytes or not average:
+                return dropped
+            n = self._drop_pixels(upto, "1", (), limit=max(1, int((used - self.policy.max_bytes) / average) + 1))
+            if n == 0:
+                return dropped
+            dropped += n
+
+    def _delete_rows(self, upto: int, before: float) -> int:
+        deleted = 0
+        while True:
+            with self.db.write() as conn:
+                n = conn.execute("DELETE FROM samples WHERE seq IN (SELECT seq FROM samples WHERE seq <= ? AND "
+                                 "length(image) = 0 AND received < ? ORDER BY seq LIMIT ?) AND seq NOT IN "
+                                 "(SELECT seq FROM quarantine)", (upto, before, PURGE_BATCH)).rowcount
+            deleted += n
+            if n < PURGE_BATCH:
+                return deleted
+
+    def _vacuum(self) -> None:
+        """Give free pages back to the file system (a database without incremental auto-vacuum
+        reuses them for new samples instead: it stops growing, it does not shrink)."""
+        free = None
+        while True:
+            with self.db.read() as conn:
+                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != INCREMENTAL:
+                    return
+                before, free = free, conn.execute("PRAGMA freelist_count").fetchone()[0]
+            if free == 0 or free == before:
+                break
+            self.db.incremental_vacuum(VACUUM_PAGES)
+        self.db.checkpoint_wal()  # and the write-ahead log back to its size limit
