@@ -2,7 +2,10 @@
 
 The snapshot's metadata says everything needed: class labels in output order, input size,
 pixel layout (the format is `learner.snapshot_format`'s; importing it does not load
-torch). Images of any size are converted to RGB and resized to the input size.
+torch). Images of any size are converted to RGB and brought to the input size by the rule the
+service applies too (shorter side resized, centre square cropped). Every failure (a file that
+is missing or not ONNX, a model that is not one of our snapshots, an image that is not one, a
+service that is down or has no such snapshot) is one line on stderr and exit status 1.
 
     python -m clients.onnx_client snapshot.onnx photo1.jpg photo2.png --k 3
     python -m clients.onnx_client --url http://127.0.0.1:8000 photo.jpg   # downloads the latest
@@ -18,14 +21,31 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from learner.snapshot_format import OnnxSnapshot, top_k
+from learner.snapshot_format import OnnxSnapshot, fit_to_input, top_k
+
+
+class SnapshotError(RuntimeError):
+    """A model, an image or a service that cannot be used, said in one sentence."""
 
 
 class OnnxClassifier(OnnxSnapshot):
     """An ONNX snapshot ready to answer: `predict(images)` -> top-k labels with probabilities."""
 
     def __init__(self, model: str | Path | bytes, threads: int | None = None):
-        super().__init__(model, threads)
+        if not isinstance(model, bytes):
+            path = Path(model)
+            if not path.is_file():
+                raise SnapshotError(f"{path}: no such file")
+            if path.stat().st_size == 0:
+                raise SnapshotError(f"{path}: the file is empty")
+        what = "the downloaded model" if isinstance(model, bytes) else str(model)
+        try:
+            super().__init__(model, threads)
+        except KeyError as exc:
+            raise SnapshotError(f"{what}: an ONNX model, but not a snapshot of this service (no {exc} "
+                                "metadata)") from None
+        except Exception as exc:  # onnxruntime's InvalidProtobuf, InvalidGraph, Fail...
+            raise SnapshotError(f"{what}: not a usable ONNX model ({type(exc).__name__})") from None
         self.labels: list[str] = self.info.labels
         self.input_shape: tuple[int, int, int] = self.info.input_shape
         self.model_version = self.info.model_version
@@ -36,27 +56,54 @@ class OnnxClassifier(OnnxSnapshot):
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        r = httpx.get(f"{url.rstrip('/')}/snapshots/{snapshot}", headers=headers, timeout=60)
-        r.raise_for_status()
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/snapshots/{snapshot}", headers=headers, timeout=60)
+        except httpx.HTTPError as exc:
+            raise SnapshotError(f"cannot reach the service at {url}: {exc}") from None
+        if r.status_code != 200:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text[:200]
+            raise SnapshotError(f"the service answered {r.status_code} for snapshot {snapshot!r}: {detail}")
         return cls(r.content, **kwargs)
 
     def pixels(self, images) -> np.ndarray:
         """Paths, PIL images or uint8 arrays [H, W, 3] -> uint8 [n, 3, H, W] at the input size."""
-        _, h, w = self.input_shape
         out = []
         for img in images:
             if isinstance(img, np.ndarray):
                 img = Image.fromarray(img)
             elif not isinstance(img, Image.Image):
-                img = Image.open(img)
-            img = img.convert("RGB")
-            if img.size != (w, h):
-                img = img.resize((w, h), Image.BILINEAR)
+                img = open_image(img)
+            img = fit_to_input(img.convert("RGB"), self.input_shape[1])
             out.append(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
         return np.ascontiguousarray(np.stack(out))
 
     def predict(self, images, k: int = 3) -> list[list[dict]]:
         return top_k(self.probabilities(self.pixels(images)), self.labels, k)
+
+
+def open_image(source) -> Image.Image:
+    """A path or file object as a fully decoded PIL image, or a SnapshotError naming it."""
+    name = getattr(source, "name", source)
+    try:
+        with Image.open(source) as im:
+            im.load()
+            return im.copy()
+    except FileNotFoundError:
+        raise SnapshotError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise SnapshotError(f"{name}: a directory, not an image") from None
+    except Exception as exc:  # PIL's UnidentifiedImageError, truncated data...
+        raise SnapshotError(f"{name}: not a readable image ({type(exc).__name__})") from None
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,15 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="download the snapshot from this service instead")
     p.add_argument("--snapshot", default="latest", help="with --url: which snapshot id")
     p.add_argument("--token")
-    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--k", type=positive, default=3, help="labels per image (1 or more)")
     args = p.parse_args(argv)
-    if args.url:
-        images = ([args.model] if args.model else []) + args.images
-        clf = OnnxClassifier.from_service(args.url, args.snapshot, args.token)
-    else:
-        images = args.images
-        clf = OnnxClassifier(args.model)
-    for path, top in zip(images, clf.predict(images, args.k)):
+    try:
+        if args.url:
+            images = ([args.model] if args.model else []) + args.images
+            clf = OnnxClassifier.from_service(args.url, args.snapshot, args.token)
+        else:
+            images = args.images
+            clf = OnnxClassifier(args.model)
+        answers = clf.predict(images, args.k)
+    except SnapshotError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for path, top in zip(images, answers):
         print(json.dumps({"image": str(path), "model_version": clf.model_version, "top": top}))
     return 0
 

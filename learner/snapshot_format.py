@@ -26,15 +26,39 @@ import numpy as np
 
 INPUT_NAME = "pixels"
 OUTPUT_NAME = "logits"
-PREPROCESSING = ("RGB image resized to the input size, pixels as uint8 in NCHW order; the graph scales them "
-                 "to [0, 1] itself. Outputs are logits; softmax gives class probabilities.")
+RESIZE_RULE = ("shorter side resized to the input size (bilinear, antialiased), then the centre square cropped; "
+               "an image already at the input size is taken as it is")
+PREPROCESSING = (f"RGB image brought to the input size ({RESIZE_RULE}), pixels as uint8 in NCHW order; the graph "
+                 "scales them to [0, 1] itself. Outputs are logits; softmax gives class probabilities.")
+
+
+def fit_to_input(image, size: int):
+    """A PIL image at `size` x `size` by the one rule every part applies (RESIZE_RULE): the
+    service's ingest and predict, the replica, the ONNX client and the Python API client.
+
+    >>> from PIL import Image
+    >>> fit_to_input(Image.new("RGB", (640, 480)), 32).size
+    (32, 32)
+    >>> wide = Image.new("RGB", (60, 30), "white"); wide.paste((255, 0, 0), (0, 0, 15, 30))  # red left quarter
+    >>> fit_to_input(wide, 30).getpixel((0, 15))  # the centre square keeps no red
+    (255, 255, 255)
+    """
+    from PIL import Image
+
+    w, h = image.size
+    if (w, h) == (size, size):
+        return image
+    scale = size / min(w, h)
+    resized = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
+    left, top = (resized.width - size) // 2, (resized.height - size) // 2
+    return resized.crop((left, top, left + size, top + size))
 
 
 def metadata_props(labels: list[str], input_size: int, extra: dict) -> dict[str, str]:
     """The metadata a snapshot carries, as ONNX string properties."""
     props = {"labels": json.dumps(labels), "input_name": INPUT_NAME,
              "input_shape": json.dumps([3, input_size, input_size]), "input_dtype": "uint8", "color": "RGB",
-             "layout": "NCHW", "output_name": OUTPUT_NAME, "preprocessing": PREPROCESSING}
+             "layout": "NCHW", "output_name": OUTPUT_NAME, "preprocessing": PREPROCESSING, "resize": RESIZE_RULE}
     props.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()})
     return props
 

@@ -93,7 +93,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="ASER inference replica", lifespan=lifespan)
     app.state.settings, app.state.follower, app.state.started = settings, follower, time.time()
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s)
     install_error_handlers(app, metrics)
     models = BodyModels(settings)
 
@@ -101,7 +101,8 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
         snap = follower.current  # one snapshot for the whole request
         if snap is None:
             raise NoSnapshotYet("no snapshot loaded yet")
-        pixels = decode_images(blobs, snap.classifier.info.input_shape[1], settings.max_image_bytes)
+        pixels = decode_images(blobs, snap.classifier.info.input_shape[1], settings.max_image_bytes,
+                               settings.strict_image_size)
         probs = snap.classifier.probabilities(pixels)
         return {"snapshot_id": snap.id, "model_version": snap.classifier.info.model_version,
                 "results": top_k(probs, snap.classifier.info.labels, min(k, settings.max_top_k))}

@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     # input limits
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_image_bytes: int = Field(1024 * 1024, ge=64)
+    strict_image_size: bool = Field(False, description="refuse images that are not exactly ASER_IMAGE_SIZE square "
+                                    "(wrong_shape) instead of resizing them (shorter side, then centre crop)")
     max_samples_per_request: int = Field(1024, ge=1)
     max_label_length: int = Field(100, ge=1)
     max_classes: int = Field(1000, ge=1)

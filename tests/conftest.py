@@ -35,3 +35,31 @@ def cifar10_more(cache_dir):
     from learner.data import load_dataset
 
     return load_dataset("cifar10", CIFAR10_ZIP, train_per_class=500, test_per_class=100, cache_dir=cache_dir)
+
+
+# The longest a request to a test server may take on a busy machine: DELETE /classes and POST
+# /snapshots wait up to ASER_SNAPSHOT_TIMEOUT_S (120 s) for the worker; httpx's default is 5 s.
+HTTP_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def patient_http_calls():
+    """Every module-level httpx call of the tests waits as long as the server may take, unless
+    the call says otherwise (shared machines are never quiet)."""
+    import functools
+
+    import httpx
+
+    patched = {}
+    for name in ("request", "get", "post", "put", "patch", "delete", "head", "options", "stream"):
+        original = patched[name] = getattr(httpx, name)
+
+        @functools.wraps(original)
+        def patient(*args, _original=original, **kwargs):
+            kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+            return _original(*args, **kwargs)
+
+        setattr(httpx, name, patient)
+    yield
+    for name, original in patched.items():
+        setattr(httpx, name, original)

@@ -291,3 +291,110 @@ def test_retention_caps_the_database_and_forgets_ids_past_their_horizon(tmp_path
         assert r["stored"] == 1 and r["seqs"] == [41]
     finally:
         server.stop()
+
+
+def real_photos(tmp_path) -> dict[str, bytes]:
+    """Real images of other sizes: Mini-ImageNet JPEGs (84x84) and one of them as a camera's 640x480."""
+    import io
+    import zipfile
+
+    from PIL import Image
+
+    from .conftest import MINI_ZIP
+
+    with zipfile.ZipFile(MINI_ZIP) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".jpg"))[:3]
+        photos = {n.split("/")[-1]: z.read(n) for n in names}
+    big = io.BytesIO()
+    Image.open(io.BytesIO(next(iter(photos.values())))).resize((640, 480)).save(big, "JPEG", quality=90)
+    photos["camera-640x480.jpg"] = big.getvalue()
+    for name, data in photos.items():
+        (tmp_path / name).write_bytes(data)
+    return photos
+
+
+def test_images_of_any_size_are_fitted_by_one_rule_everywhere(tmp_path, jpegs):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from clients.onnx_client import OnnxClassifier
+    from learner.snapshot_format import RESIZE_RULE, fit_to_input
+
+    photos = real_photos(tmp_path)
+    server = Server(tmp_path / "svc").start()
+    try:
+        assert post_samples(server, jpegs).status_code == 201
+        assert post_samples(server, [("frog", p) for p in photos.values()]).status_code == 201
+        wait_trained(server, len(jpegs) + len(photos))
+        camera = photos["camera-640x480.jpg"]
+        fitted = io.BytesIO()
+        fit_to_input(Image.open(io.BytesIO(camera)).convert("RGB"), 32).save(fitted, "PNG")
+        answers = httpx.post(f"{server.url}/predict", json={"images": [b64(camera), b64(fitted.getvalue())],
+                                                            "k": 2}, timeout=TIMEOUT).json()["results"]
+        assert answers[0] == answers[1]  # the service fitted the photo as the rule says
+        snap = httpx.post(f"{server.url}/snapshots", timeout=300).json()
+        onnx = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{snap['id']}", timeout=TIMEOUT).content)
+        assert onnx.metadata["resize"] == RESIZE_RULE
+        ours = onnx.predict([tmp_path / "camera-640x480.jpg"], k=2)[0]
+        assert [t["label"] for t in ours] == [t["label"] for t in answers[0]]
+        assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in answers[0]], atol=1e-4)
+    finally:
+        server.stop()
+    strict = Server(tmp_path / "strict", strict_image_size=True).start()
+    try:
+        r = post_samples(strict, [("frog", photos["camera-640x480.jpg"])])
+        assert r.status_code == 422 and r.json()["error"] == "wrong_shape" and "640x480" in r.json()["detail"]
+    finally:
+        strict.stop()
+
+
+def onnx_client(*args) -> subprocess.CompletedProcess:
+    import sys
+
+    from .conftest import ROOT
+
+    return subprocess.run([sys.executable, "-m", "clients.onnx_client", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_onnx_client_says_what_is_wrong_in_one_line(tmp_path, strict_server, jpegs):
+    import onnx
+    from onnx import TensorProto, helper
+
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(jpegs[0][1])
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "text.onnx").write_text("not a model")
+    (tmp_path / "notes.jpg").write_text("not an image")
+    graph = helper.make_graph([helper.make_node("Identity", ["pixels"], ["logits"])], "other",
+                              [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
+    onnx.save(helper.make_model(graph), tmp_path / "foreign.onnx")
+    cases = {
+        "missing model": ([tmp_path / "missing.onnx", photo], "no such file"),
+        "empty model": ([tmp_path / "empty.onnx", photo], "empty"),
+        "not onnx": ([tmp_path / "text.onnx", photo], "not a usable ONNX model"),
+        "not a snapshot": ([tmp_path / "foreign.onnx", photo], "not a snapshot of this service"),
+        "service down": (["--url", "http://127.0.0.1:9", photo], "cannot reach the service"),
+        "unknown snapshot": (["--url", strict_server.url, "--snapshot", "99999", photo], "answered 404"),
+    }
+    for case, (args, said) in cases.items():
+        run = onnx_client(*args)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and len(lines) == 1 and said in lines[0], (case, run.stderr)
+    # a real snapshot, then images that are not
+    assert post_samples(strict_server, jpegs[:2]).status_code in (201, 409)
+    wait_for(lambda: status(strict_server)["samples_trained"] > 0, what="training")
+    model = tmp_path / "model.onnx"
+    assert httpx.post(f"{strict_server.url}/snapshots", timeout=300).status_code == 201
+    model.write_bytes(httpx.get(f"{strict_server.url}/snapshots/latest", timeout=TIMEOUT).content)
+    for image, said in ((tmp_path / "nothing.jpg", "no such file"), (tmp_path / "notes.jpg", "not a readable image"),
+                        (tmp_path, "a directory")):
+        run = onnx_client(model, image)
+        assert run.returncode == 1 and said in run.stderr and "Traceback" not in run.stderr
+    for k in ("0", "-1"):
+        assert onnx_client(model, photo, "--k", k).returncode == 2
+    good = onnx_client(model, photo, "--k", "1")
+    assert good.returncode == 0 and len(json.loads(good.stdout)["top"]) == 1

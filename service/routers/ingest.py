@@ -44,7 +44,7 @@ def acknowledgement(stored: list[Stored]) -> dict:
 
 def to_new_samples(labels: list[str], blobs: list[bytes], ids: list, settings: Settings) -> list[NewSample]:
     """Decode and check every image; the request is refused whole if one is bad."""
-    pixels = decode_images(blobs, settings.image_size, settings.max_image_bytes)
+    pixels = decode_images(blobs, settings.image_size, settings.max_image_bytes, settings.strict_image_size)
     return [NewSample(label, image.tobytes(), sid) for label, image, sid in zip(labels, pixels, ids, strict=True)]
 
 
