@@ -28,11 +28,11 @@ ASER_TEST_DATASETS=$DATASETS "$PY" -m pytest -m gpu -q -p no:cacheprovider --jun
   2>&1 | tee "$work/pytest.log"
 for mode in "" "--bf16" "--bf16 --compile"; do
   name=speed-cuda-$slug$(echo "$mode" | tr -d ' ' | sed 's/--/-/g')
-  "$PY" -m clients.benchmark speed --device cuda $mode --out "results/$name.json" 2>&1 | tail -3
+  "$PY" -m clients.bench.benchmark speed --device cuda $mode --out "results/$name.json" 2>&1 | tail -3
 done
 if [ "${FULL:-0}" = 1 ]; then
   for method in er aser-mu; do
-    "$PY" -m clients.benchmark run --dataset cifar10 --data "$DATASETS/cifar10-jpeg.zip" --method "$method" \
+    "$PY" -m clients.bench.benchmark run --dataset cifar10 --data "$DATASETS/cifar10-jpeg.zip" --method "$method" \
       --device cuda --seed 0 --quiet --out "results/gpu/$slug/$method-m1000-seed0.json" 2>&1 | tail -8
   done
 fi

@@ -168,7 +168,7 @@ for cid in $(compose ps -q); do  # "8000/tcp -> 127.0.0.1:PORT", nothing on othe
   if docker port "$cid" | grep -v -- '-> 127\.0\.0\.1:'; then echo "published beyond loopback" >&2; exit 1; fi
 done
 
-smoke=("$PYTHON" -m clients.smoke --learner "http://127.0.0.1:$learner_port" "${replicas[@]}"
+smoke=("$PYTHON" -m clients.bench.smoke --learner "http://127.0.0.1:$learner_port" "${replicas[@]}"
        --data "$DATA" --ledger "$WORK/ledger.json")
 "${smoke[@]}" stream
 learner=$(compose ps -q learner)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from clients.benchmark import main
+from clients.bench.benchmark import main
 
 from .conftest import CIFAR10_ZIP
 
@@ -25,7 +25,7 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
         assert len(r["accuracy_matrix"]) == 5 and all(len(row) == 5 for row in r["accuracy_matrix"])
         assert abs(r["average_accuracy"] - sum(r["accuracy_matrix"][-1]) / 5) < 1e-9
         assert r["average_forgetting"] is not None and r["steps"] == 20 and r["train_seconds"] > 0
-        assert r["settings"]["train_samples"] == 200 and r["command"].startswith("python -m clients.benchmark")
+        assert r["settings"]["train_samples"] == 200 and r["command"].startswith("python -m clients.bench.benchmark")
         share = r["replay_incoming_share"]  # task 1: memory holds only the incoming task's classes
         assert len(share) == 5 and share[0] > 50 and all(0 <= s <= 100 for s in share)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clients.api import ServiceClient
-from clients.local_service import free_port
+from clients.bench.local_service import free_port
 from service.checkpoints import CheckpointStore
 from service.db import Database
 from service.errors import IncompatibleCheckpoint
@@ -346,8 +346,8 @@ def server_with_snapshot(tmp_path_factory, jpegs):
 def test_torture_concurrent_use_and_kills_lose_nothing(tmp_path):
     """Ingest through all three forms, /status and /metrics polled ten times a second, snapshots
     every two steps, checkpoints every step, SIGKILL and restart every few seconds (the longer
-    run is `python -m clients.torture`, results/torture-cpu.json)."""
-    from clients.torture import run
+    run is `python -m clients.bench.torture`, results/torture-cpu.json)."""
+    from clients.bench.torture import run
 
     result = run(CIFAR10_ZIP, seconds=30, kill_every=7, rate=30, data_dir=tmp_path / "svc")
     assert result["problems"] == [] and result["passed"]

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from clients.benchmark import build_parser, main, run_once
-from clients.resume import load_run_state, run_identity
+from clients.bench.benchmark import build_parser, main, run_once
+from clients.bench.resume import load_run_state, run_identity
 from learner.data import load_dataset
 
 from .conftest import CIFAR10_ZIP, ROOT
@@ -30,7 +30,7 @@ def comparable(result: dict) -> dict:
 def test_a_killed_run_goes_on_from_its_last_task_and_ends_as_an_uninterrupted_one(tmp_path, cache_dir):
     assert main(["run", *run_args(cache_dir, "er", "--out", str(tmp_path / "whole.json"))]) == 0
     checkpoint = tmp_path / "er.resume.pt"
-    cmd = [sys.executable, "-m", "clients.benchmark", "run",
+    cmd = [sys.executable, "-m", "clients.bench.benchmark", "run",
            *run_args(cache_dir, "er", "--out", str(tmp_path / "cut.json"), "--checkpoint", str(checkpoint))]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -83,7 +83,7 @@ def test_another_runs_checkpoint_is_refused_and_kept(tmp_path, cache_dir, capsys
 
 
 def test_a_sweep_goes_on_from_the_checkpoint_a_cut_off_session_left(tmp_path, cache_dir):
-    from clients.sweep import checkpoint_path, sweep
+    from clients.bench.sweep import checkpoint_path, sweep
 
     grid = tmp_path / "grid.toml"
     grid.write_text(f'[data]\ncifar10 = "{CIFAR10_ZIP}"\n\n[[runs]]\ndataset = "cifar10"\nmethod = "er"\n'

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from clients.local_service import LocalService
+from clients.bench.local_service import LocalService
 
 from .conftest import CIFAR10_ZIP, ROOT
 

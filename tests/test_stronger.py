@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from clients.benchmark import build_parser, run_once
+from clients.bench.benchmark import build_parser, run_once
 from learner import make_learner
 from learner.augment import BatchAugment
 from learner.data import load_dataset

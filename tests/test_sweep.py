@@ -1,5 +1,5 @@
 """The resumable sweep and the paired comparison, on tiny slices of the real CIFAR-10 data: each
-run is a real `clients.benchmark run` subprocess."""
+run is a real `clients.bench.benchmark run` subprocess."""
 
 import json
 import os
@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clients.benchmark import main
-from clients.results import comparison_table, comparisons, load_paper, paired_difference, summary_table
-from clients.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
+from clients.bench.benchmark import main
+from clients.bench.results import comparison_table, comparisons, load_paper, paired_difference, summary_table
+from clients.bench.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
 
 from .conftest import CIFAR10_ZIP
 

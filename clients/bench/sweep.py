@@ -1,4 +1,4 @@
-"""A resumable sweep of benchmark runs: `python -m clients.benchmark sweep GRID --jobs N --out DIR`.
+"""A resumable sweep of benchmark runs: `python -m clients.bench.benchmark sweep GRID --jobs N --out DIR`.
 
 GRID (TOML, or YAML) holds the datasets' paths and blocks of runs; in a block every key is a
 value or a list, and the block stands for every combination:
@@ -97,7 +97,7 @@ class RunSpec:
         return "-".join(parts) + f"-seed{self.seed}.json"
 
     def command(self, data: str, out: Path, threads: int, device: str, checkpoint: Path) -> list[str]:
-        cmd = [sys.executable, "-m", "clients.benchmark", "run", "--dataset", self.dataset, "--data", data,
+        cmd = [sys.executable, "-m", "clients.bench.benchmark", "run", "--dataset", self.dataset, "--data", data,
                "--method", self.method, "--mem-size", str(self.mem_size), "--seed", str(self.seed),
                "--threads", str(threads), "--device", device, "--quiet", "--out", str(out),
                "--checkpoint", str(checkpoint), *PRECISION_FLAGS[self.precision]]
@@ -201,7 +201,7 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
         with open(log_path, "w") as log:
             code = subprocess.run(spec.command(data, partial, threads, device, checkpoint_path(target)),
                                   stdout=log, stderr=subprocess.STDOUT,
-                                  cwd=Path(__file__).resolve().parents[1]).returncode
+                                  cwd=Path(__file__).resolve().parents[2]).returncode
         if code != 0 or not partial.exists():
             raise RuntimeError(f"{target.name}: the run failed (exit {code}); see {log_path}")
         os.replace(partial, target)
@@ -296,7 +296,7 @@ def cmd_sweep(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="run every combination of a grid whose result file is missing (resumable)")
-    p.add_argument("grid", help="a TOML or YAML grid (see clients/sweep.py)")
+    p.add_argument("grid", help="a TOML or YAML grid (see clients/bench/sweep.py)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--out", default="results", help="result folder (files go to OUT/<dataset>/)")
     p.add_argument("--threads", type=int, help="threads in all, split between the jobs (default: all cores)")

@@ -2,7 +2,7 @@
 WebSocket as one message (PNG images, the dataset's class names as labels), and each task is
 evaluated through POST /predict once the service has trained on everything it acknowledged.
 
-Used by `python -m clients.benchmark run --via URL`; the record has the in-process run's form,
+Used by `python -m clients.bench.benchmark run --via URL`; the record has the in-process run's form,
 so the two compare directly (same stream order for the same seed; the service's learner has
 its own seed, ASER_SEED, and grows its head as classes arrive).
 """
@@ -19,7 +19,7 @@ from PIL import Image
 from learner.data import ImageDataset, task_batches, task_test_set
 from learner.objective import ReplayObjective
 
-from .api import ServiceClient
+from ..api import ServiceClient
 from .results import matrix_summary
 
 

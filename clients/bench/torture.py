@@ -18,7 +18,7 @@ Then it checks, through the API alone:
   alive with no restart and no error;
 - a graceful restart at the end resumes the same lineage.
 
-    python -m clients.torture --data ../shared/datasets/cifar10-jpeg.zip --seconds 300 \
+    python -m clients.bench.torture --data ../shared/datasets/cifar10-jpeg.zip --seconds 300 \
         --kill-every 8 --out results/torture-cpu.json
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from .api import Retry, ServiceClient, ServiceError, new_id
+from ..api import Retry, ServiceClient, ServiceError, new_id
 from .local_service import LocalService, real_jpegs
 
 SERVICE_ENV = {"ASER_CHECKPOINT_EVERY_STEPS": "1", "ASER_SNAPSHOT_EVERY_STEPS": "2", "ASER_MEM_SIZE": "100",
@@ -304,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/torture-cpu.json")
     args = p.parse_args(argv)
     result = run(Path(args.data), args.seconds, args.kill_every, args.rate, log_path=args.log, seed=args.seed)
-    from .benchmark import machine_description, resolve_device
+    from .machine import machine_description, resolve_device
 
     result.update(machine=machine_description(resolve_device("cpu")),
-                  command="python -m clients.torture " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  command="python -m clients.bench.torture " + " ".join(argv if argv is not None else sys.argv[1:]),
                   measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -12,7 +12,7 @@ retention totals. At the end it stops the service and checks, in the database fi
 every acknowledged id within the id horizon is there exactly once, under the sequence number it was
 acknowledged with, and that the log's rows are exactly the sequence numbers acknowledged.
 
-    python -m clients.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/soak-cpu.json
+    python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/soak-cpu.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from .api import Retry, ServiceClient, ServiceError
+from ..api import Retry, ServiceClient, ServiceError
 from .local_service import LocalService, real_jpegs
 
 SOAK_ENV = {"ASER_METHOD": "er", "ASER_LOSS": "ace", "ASER_CHECKPOINT_EVERY_STEPS": "10",
@@ -108,12 +108,12 @@ def soak(args) -> dict:
         service.stop()
     return {"settings": env, "rate_per_s": args.rate, "minutes": args.minutes, "batch": args.batch,
             "answers": answers, "series": series, "check": verify(data_dir / "aser.db", acknowledged, horizon_seq),
-            "command": "python -m clients.soak " + " ".join(sys.argv[1:]),
+            "command": "python -m clients.bench.soak " + " ".join(sys.argv[1:]),
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m clients.bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="the CIFAR-10 zip (real JPEGs to send)")
     p.add_argument("--rate", type=float, default=30.0, help="samples per second")

@@ -1,11 +1,11 @@
 """Offline benchmark client: replay Split CIFAR-10/100 or Mini-ImageNet through any method of
 the paper and report its metrics.
 
-    python -m clients.benchmark run --dataset cifar10 --data ../shared/datasets/cifar10-jpeg.zip \
+    python -m clients.bench.benchmark run --dataset cifar10 --data ../shared/datasets/cifar10-jpeg.zip \
         --method aser-mu --mem-size 1000 --seed 0 1 2 --out results/cifar10/aser-mu-m1000.json
-    python -m clients.benchmark table results/cifar10 --out results/cifar10/table.md --compare er aser-mu
-    python -m clients.benchmark sweep results/grid.toml --jobs 2 --out results
-    python -m clients.benchmark speed
+    python -m clients.bench.benchmark table results/cifar10 --out results/cifar10/table.md --compare er aser-mu
+    python -m clients.bench.benchmark sweep results/grid.toml --jobs 2 --out results
+    python -m clients.bench.benchmark speed
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
 from learner.ncm import memory_ncm
 from learner.objective import LOSSES, STEPS
 
+from .machine import machine_description, resolve_device
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
 from .results import (
     comparison_table,
@@ -41,26 +42,6 @@ from .results import (
 )
 
 SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu"}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def machine_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
 
 
 def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, list[float]]:
@@ -240,7 +221,7 @@ def stream_steps(data: ImageDataset, tasks: list[list[int]], batch_size: int, on
 
 
 def _command() -> str:
-    return "python -m clients.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return "python -m clients.bench.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -319,7 +300,7 @@ def cmd_table(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m clients.benchmark", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m clients.bench.benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="replay a class-incremental stream through one method")

@@ -13,7 +13,7 @@ machine hits every case alike (ratios are what count):
   options: crop + flip, 2 steps per batch, a moving-average serving head): the same `observe`;
 - inference-100: logits of 100 images.
 
-    python -m clients.benchmark speed --out results/speed-cpu.json
+    python -m clients.bench.benchmark speed --out results/speed-cpu.json
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def ratios(cases: dict) -> dict:
 
 
 def cmd_speed(args) -> int:
-    from .benchmark import machine_description, resolve_device
+    from .machine import machine_description, resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
@@ -143,7 +143,7 @@ def cmd_speed(args) -> int:
         "rounds": args.rounds,
         "cases": cases,
         "ratios": ratios(cases),
-        "command": f"python -m clients.benchmark speed --device {args.device} --rounds {args.rounds}"
+        "command": f"python -m clients.bench.benchmark speed --device {args.device} --rounds {args.rounds}"
                    f"{' --bf16' if args.bf16 else ''}{' --bf16-latent' if args.bf16_latent else ''}"
                    f"{' --compile' if args.compile else ''}"
                    f"{f' --threads {args.threads}' if args.threads else ''}",
