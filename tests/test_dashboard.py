@@ -70,6 +70,21 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         wait(browser, lambda d: int(accuracy.get_attribute("data-points")) > 50)
         legend = browser.execute_script("return document.querySelector('#chart-accuracy .legend').innerText")
         assert "airplane" in legend and "frog" in legend
+        # each legend swatch is drawn as its line is: the dashed cumulative line has a dashed swatch
+        swatches = browser.execute_script(
+            "return [...document.querySelectorAll('#chart-accuracy .legend span')].map(s => [s.dataset.series, "
+            "s.querySelector('line').getAttribute('stroke'), s.querySelector('line').getAttribute('stroke-dasharray')])")
+        paths = browser.execute_script(
+            "return [...document.querySelectorAll('#chart-accuracy path')].map(p => [p.querySelector('title')"
+            ".textContent, p.getAttribute('stroke'), p.getAttribute('stroke-dasharray')])")
+        assert [s for s in swatches if s[0] in ("recent window", "cumulative")] == \
+            [p for p in paths if p[0] in ("recent window", "cumulative")]
+        assert swatches[0][1] != swatches[1][1] and swatches[1][2] == "4 3"
+        # the rates have their own axis (the backlog its own chart), and a burst shows before any
+        # point is stored for it
+        assert int(browser.find_element(By.ID, "chart-rates").get_attribute("data-points")) > 0
+        assert int(browser.find_element(By.ID, "chart-backlog").get_attribute("data-points")) > 0
+        assert "backlog" not in browser.find_element(By.CSS_SELECTOR, "#chart-rates .legend").text
         assert int(browser.find_element(By.ID, "chart-step").get_attribute("data-points")) > 0
         assert int(browser.find_element(By.ID, "chart-replay").get_attribute("data-points")) > 0
         bars = browser.execute_script("return [...document.querySelectorAll('#memory-bars .bar')]"
@@ -94,6 +109,26 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         wait(browser, lambda d: box.get_attribute("data-label") == "frog")
         widths = "return [...document.querySelectorAll('#memory-images img')].map(i => i.naturalWidth)"
         wait(browser, lambda d: d.execute_script(widths) == [32] * memory["per_class"]["frog"])
+    finally:
+        server.stop()
+
+
+def test_rates_show_a_first_burst_and_break_at_idle_gaps(browser, tmp_path):
+    server = Server(tmp_path / "svc", method="er", mem_size=40, history_every_steps=100000).start()
+    try:
+        browser.get(server.url + "/")
+        wait(browser, lambda d: counter(d, "samples trained") == "0")
+        with ServiceClient(server.url) as client:  # a burst before any history point is stored
+            client.stream_samples(two_classes(20))
+            wait_trained(client, 40)
+        rates = browser.find_element(By.ID, "chart-rates")
+        wait(browser, lambda d: int(rates.get_attribute("data-points")) > 0)
+        assert httpx.get(server.url + "/history").json() == []
+        # the rate between two points is not averaged over an idle gap: the line breaks there
+        computed = browser.execute_script(
+            "return rates([{at: 0, received: 0, samples_trained: 0}, {at: 10, received: 100, samples_trained: 90},"
+            " {at: 3600, received: 110, samples_trained: 100}], 'received')")
+        assert computed == [[90, 10], [100, None]]
     finally:
         server.stop()
 

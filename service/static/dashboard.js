@@ -70,16 +70,42 @@ function lineChart(target, series, { yMax = null, yLabel = "", xLabel = "samples
              `<text x="${(L + W) / 2}" y="${H - 8}" text-anchor="middle">${xLabel}</text>`,
              `<text x="${L - 4}" y="${T - 10}" text-anchor="end">${yLabel}</text>`);
     for (const s of series) {
-      if (!s.points.length) continue;
-      const d = s.points.map((p, i) => (i ? "L" : "M") + X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1)).join("");
+      // a point with y null breaks the line (an idle gap); a lone point shows as a dot
+      let d = "", pen = "M", alone = [];
+      s.points.forEach((p, i) => {
+        if (p[1] === null) { pen = "M"; return; }
+        const next = s.points[i + 1];
+        if (pen === "M" && (!next || next[1] === null)) alone.push(p);
+        d += pen + X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1);
+        pen = "L";
+      });
       svg.push(`<path d="${d}" fill="none" stroke="${s.color}" stroke-width="${s.width || 1.5}"` +
-               `${s.dash ? ' stroke-dasharray="4 3"' : ""}><title>${esc(s.name)}</title></path>`);
+               `${s.dash ? ' stroke-dasharray="4 3"' : ""}><title>${esc(s.name)}</title></path>`,
+               ...alone.map((p) => `<circle cx="${X(p[0]).toFixed(1)}" cy="${Y(p[1]).toFixed(1)}" r="2.5" ` +
+                                   `fill="${s.color}"><title>${esc(s.name)}</title></circle>`));
     }
   }
   svg.push("</svg>");
-  const legend = series.map((s) => `<span><i style="background:${s.color}"></i>${esc(s.name)}</span>`).join("");
-  target.innerHTML = svg.join("") + `<div class="legend">${legend}</div>`;
-  target.dataset.points = points.length;
+  target.innerHTML = svg.join("") + `<div class="legend">${series.map(swatch).join("")}</div>`;
+  target.dataset.points = points.filter((p) => p[1] !== null).length;
+}
+
+function swatch(s) {
+  // the legend draws each series as the chart does: its colour, width and dashes
+  return `<span data-series="${esc(s.name)}"><svg width="22" height="8"><line x1="0" y1="4" x2="22" y2="4" ` +
+         `stroke="${s.color}" stroke-width="${s.width || 1.5}"${s.dash ? ' stroke-dasharray="4 3"' : ""}/></svg>` +
+         `${esc(s.name)}</span>`;
+}
+
+// longer than this between two points, the stream was idle: no rate is drawn across the gap
+const IDLE_GAP_S = 30;
+
+function rates(points, key) {
+  // samples per second between consecutive points; null across an idle gap
+  return points.slice(1).map((p, i) => {
+    const q = points[i], dt = p.at - q.at;
+    return [p.samples_trained, dt > 0 && dt <= IDLE_GAP_S ? Math.max(0, (p[key] - q[key]) / dt) : null];
+  });
 }
 
 function charts(history) {
@@ -87,21 +113,21 @@ function charts(history) {
   lineChart($("chart-accuracy"), [
     { name: "recent window", color: "#1d2330", width: 2.5,
       points: history.filter((p) => p.window_accuracy !== null).map((p) => [p.samples_trained, 100 * p.window_accuracy]) },
-    { name: "cumulative", color: "#1d2330", dash: true,
+    { name: "cumulative", color: "#7a8599", dash: true,
       points: history.filter((p) => p.accuracy !== null).map((p) => [p.samples_trained, 100 * p.accuracy]) },
     ...labels.map((label, i) => ({ name: label, color: COLORS[i % COLORS.length], width: 1,
       points: history.filter((p) => label in p.per_class).map((p) => [p.samples_trained, 100 * p.per_class[label]]) })),
   ], { yMax: 100, yLabel: "%" });
 
-  const rate = (key) => history.slice(1).map((p, i) => {
-    const q = history[i], dt = p.at - q.at;
-    return [p.samples_trained, dt > 0 ? Math.max(0, (p[key] - q[key]) / dt) : 0];
-  });
+  // the first moment this page saw and this moment join the stored points, so a burst shows at
+  // once, before a point is stored for it
+  const points = [...history, state.origin, state.now].filter(Boolean).sort((a, b) => a.at - b.at);
   lineChart($("chart-rates"), [
-    { name: "ingested / s", color: "#e67e22", points: rate("received") },
-    { name: "trained / s", color: "#4a7bd0", points: rate("samples_trained") },
-    { name: "backlog (samples)", color: "#999", dash: true, points: history.map((p) => [p.samples_trained, p.backlog]) },
-  ]);
+    { name: "ingested / s", color: "#e67e22", points: rates(points, "received") },
+    { name: "trained / s", color: "#4a7bd0", points: rates(points, "samples_trained") },
+  ], { yLabel: "/ s" });
+  lineChart($("chart-backlog"), [{ name: "backlog (samples)", color: "#999",
+    points: points.map((p) => [p.samples_trained, p.backlog]) }], { yLabel: "samples" });
   lineChart($("chart-step"), [{ name: "step ms", color: "#8e44ad", points: history.map((p) => [p.samples_trained, p.step_ms]) }],
             { yLabel: "ms" });
   // under ASER_LOSS=ace new classes meet old ones only in the replayed batch: a share near 0 means they never do
@@ -191,6 +217,9 @@ async function refresh() {
     $("board").hidden = false;
     counters(st);
     memoryBars(st);
+    state.now = { at: Date.now() / 1000, received: st.samples_received, samples_trained: st.samples_trained,
+                  backlog: st.backlog };
+    state.origin ??= state.now;  // the first moment this page saw
     for (;;) {  // the history since the last point seen, page by page
       const page = await getJSON(`history?since=${state.lastSeen}&limit=5000`);
       state.history.push(...page);
