@@ -62,6 +62,8 @@ class ContinualLearner:
         self.version = 0  # bumps with every weight change; names the weights features came from
         self.steps = 0
         self.samples_seen = 0
+        self.samples_skipped = 0  # passed through the memory without a gradient step (a stream too fast)
+        self.rehearsal_steps = 0  # replay-only steps taken while the stream was idle
         self.current_task_classes: torch.Tensor | None = None
         self.forgotten: set[int] = set()  # classes removed on request: never predicted again
         self._folded = None  # (version, {(serving, dtype): folded f_ext}) for inference
@@ -83,6 +85,31 @@ class ContinualLearner:
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
+
+    def pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """Let a batch the learner has no time to train on reach the memory only: no gradient
+        step, but the memory update sees it as it sees every sample (so the memory keeps
+        sampling the whole stream). A learner without a memory only counts it."""
+        images, labels = images.to(self.device), labels.to(self.device, torch.long)
+        self.ensure_classes(int(labels.max()) + 1)
+        self._pass_through(images, labels)
+        self.samples_skipped += images.shape[0]
+
+    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        pass
+
+    def rehearse(self) -> dict | None:
+        """One replay-only step from the memory (the stream is idle); None if there is nothing to
+        rehearse. It never sees a stream sample, so it scores none."""
+        stats = self._rehearse()
+        if stats is not None:
+            self.rehearsal_steps += 1
+            if self.forgotten:
+                self._silence_forgotten()
+        return stats
+
+    def _rehearse(self) -> dict | None:
+        return None
 
     def begin_task(self, classes) -> None:
         """Optional hint: the classes of the task that starts now."""
@@ -229,6 +256,8 @@ class ContinualLearner:
             "version": self.version,
             "steps": self.steps,
             "samples_seen": self.samples_seen,
+            "samples_skipped": self.samples_skipped,
+            "rehearsal_steps": self.rehearsal_steps,
             "forgotten": sorted(self.forgotten),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
         }
@@ -243,6 +272,8 @@ class ContinualLearner:
         self.version = state["version"] + 1  # cached features from before the load are stale
         self.steps = state["steps"]
         self.samples_seen = state["samples_seen"]
+        self.samples_skipped = state.get("samples_skipped", 0)  # absent from states written before them
+        self.rehearsal_steps = state.get("rehearsal_steps", 0)
         self.forgotten = set(state.get("forgotten", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights
             self.ema.load_state_dict(state.get("ema", self.model.state_dict()), self.model)

@@ -18,6 +18,7 @@ Two options compose with every policy pair:
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 from .base import ContinualLearner
 from .augment import BatchAugment
@@ -72,6 +73,20 @@ class ReplayLearner(ContinualLearner):
         self.update_policy.update(self.buffer, images, labels, ctx)
         ctx.stats.update(loss=loss, replayed=replayed, replayed_incoming=incoming)
         return ctx.stats
+
+    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.update_policy.update(self.buffer, images, labels, self.context())
+
+    def _rehearse(self) -> dict | None:
+        """A step on a random draw of twice the replay batch (the size of a stream step's batch),
+        with the replayed term of the objective: cross-entropy over every class."""
+        n = min(len(self.buffer), 2 * self.replay_batch)
+        if n == 0:
+            return None
+        slots = torch.randperm(len(self.buffer), generator=self.generator)[:n].to(self.device)
+        x, y = self.buffer.images[slots], self.buffer.labels[slots]
+        x = self.augment(x) if self.augment is not None else x
+        return {"loss": self.optimize(lambda: F.cross_entropy(self.forward_logits(x), y))}
 
     def _augmented(self, images: torch.Tensor, replay_images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.augment is None:

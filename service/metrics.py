@@ -59,6 +59,12 @@ class Metrics:
         self.new_class_samples = Gauge("aser_online_new_class_samples", "Samples of a class the model had not "
                                        "learned yet when they arrived", registry=r)
         self.worker_up = Gauge("aser_worker_up", "1 while the learner worker runs", registry=r)
+        self.lag = Gauge("aser_lag_seconds", "Age of the oldest acknowledged sample the published model has not "
+                         "learned (0: none waiting)", registry=r)
+        self.samples_skipped = Counter("aser_samples_skipped", "Samples that reached the memory without a gradient "
+                                       "step, the worker being over ASER_MAX_LAG_S (this process)", registry=r)
+        self.rehearsal_steps = Counter("aser_rehearsal_steps", "Replay-only steps taken while the stream was idle "
+                                       "(this process)", registry=r)
         self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",
                                     registry=r)
         self.retention_pixels = Counter("aser_retention_pixels_dropped", "Trained samples whose pixels retention "
@@ -81,6 +87,7 @@ class Metrics:
                                            aser_snapshot_failures=status["worker"]["snapshot_failures"])
         self.worker_up.set(1 if status["worker"]["alive"] else 0)
         self.database_bytes.set(status["storage"]["database_bytes"])
+        self.lag.set(status["lag"]["seconds"])
         online = status["online"]
         self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))
         self.online_window_accuracy.set(online["window_accuracy"] if online["window_accuracy"] is not None

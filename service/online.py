@@ -117,6 +117,9 @@ class HistoryPoint(BaseModel):
     backlog: int
     per_class: dict[str, float] = Field(description="cumulative online accuracy per class")
     memory: dict[str, int] = Field(description="replay memory: samples per class")
+    lag_s: float | None = Field(None, description="age of the oldest sample not yet learned, at this point")
+    samples_skipped: int | None = Field(None, description="samples skipped so far (over ASER_MAX_LAG_S)")
+    rehearsal_steps: int | None = Field(None, description="idle rehearsal steps so far")
     replayed_incoming_share: float | None = Field(
         None, description="% of the samples replayed since the previous point whose class was in the incoming batch "
                           "(none replayed: null); under ASER_LOSS=ace a share near 0 means new classes never meet the old ones")
@@ -130,8 +133,11 @@ class History:
         self.db = db
         with db.schema() as schema:
             schema.executescript(SCHEMA)
-            if "replayed_incoming_share" not in schema["history"].columns_dict:  # databases of earlier versions
-                schema["history"].add_column("replayed_incoming_share", float)
+            columns = schema["history"].columns_dict  # databases of earlier versions lack the later ones
+            for name, kind in (("replayed_incoming_share", float), ("lag_s", float), ("samples_skipped", int),
+                               ("rehearsal_steps", int)):
+                if name not in columns:
+                    schema["history"].add_column(name, kind)
 
     def add(self, point: HistoryPoint) -> bool:
         with self.db.write() as conn:

@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     snapshot_timeout_s: float = Field(120.0, gt=0)
     snapshot_keep: int = Field(20, ge=1, description="keep the newest N snapshots; older files and rows are removed")
 
+    # real time: a stream faster than the learner, or idle
+    max_lag_s: float = Field(900.0, ge=0, description="when the oldest untrained sample is older than this, samples "
+                             "older than half of it pass through the memory without a gradient step (skipped), "
+                             "so predictions are never further behind the stream (0: no bound, a queue)")
+    idle_rehearsal: bool = Field(False, description="replay-only steps from the memory while no batch is due")
+    idle_rehearsal_share: float = Field(0.5, gt=0, le=1, description="the most of the worker's time idle rehearsal "
+                                        "may take (it pauses between its steps to stay under it)")
+
     # retention (service.retention): the ingest log's disk stays bounded for months
     retain_pixels_s: float = Field(86400.0, ge=0, description="drop the pixels of samples a checkpoint has trained "
                                    "on once they are this old (the memory keeps its own copies)")

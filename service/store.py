@@ -148,6 +148,12 @@ class IngestLog:
             return conn.execute("SELECT COUNT(*) FROM samples WHERE seq > ? AND seq NOT IN "
                                 "(SELECT seq FROM quarantine)", (trained_upto,)).fetchone()[0]
 
+    def oldest_pending(self, trained_upto: int) -> float | None:
+        """When the oldest sample after `trained_upto` arrived (None: nothing is waiting)."""
+        with self.db.read() as conn:
+            return conn.execute("SELECT MIN(received) FROM samples WHERE seq > ? AND seq NOT IN "
+                                "(SELECT seq FROM quarantine)", (trained_upto,)).fetchone()[0]
+
     def quarantine(self, seq: int, error: str) -> None:
         """Set a sample aside for good: training on it fails every time."""
         with self.db.write() as conn:

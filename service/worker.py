@@ -42,6 +42,7 @@ from .store import Forgotten, IngestLog, LogEntry, by_label, images_from_blobs
 log = logging.getLogger("aser.worker")
 
 SUSPECT_AFTER = 2  # failed steps a sample took part in before it is tried alone
+CATCH_UP_CHUNK = 100  # samples passed through the memory per skip, between two looks at the queue
 SET_ASIDE_AFTER = 3  # ... before its batch is quarantined even though each sample passes alone
 
 
@@ -57,6 +58,8 @@ class Predictor:
     steps: int
     samples_trained: int
     trained_upto: int
+    samples_skipped: int = 0
+    rehearsal_steps: int = 0
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int) -> "Predictor":
@@ -64,7 +67,8 @@ class Predictor:
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), head.out_features)
         return cls(learner.inference_features(), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
-                   tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto)
+                   tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
+                   learner.samples_skipped, learner.rehearsal_steps)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -141,7 +145,7 @@ class LearnerWorker:
         self._stop.set()
         self.wakeup.set()
         self._thread.join(timeout)
-        if not self._thread.is_alive() and self.consistent and self.learner.steps != self.checkpointed_steps:
+        if not self._thread.is_alive() and self.consistent and self.progress() != self.checkpointed:
             self.checkpoint()
         self.snapshots.close()
 
@@ -167,7 +171,9 @@ class LearnerWorker:
             self.online.forget_class(f.class_id)
         self.snapshots.purge(forgotten)
         self.learner = learner
-        self.checkpointed_steps = self._last_checkpoint_try = self._last_snapshot = learner.steps
+        self._last_snapshot = learner.steps
+        self.checkpointed = self._last_checkpoint_try = self.progress()
+        self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
         self.consistent = True
         self.publish()
 
@@ -178,7 +184,7 @@ class LearnerWorker:
                 try:
                     self._serve_forget_requests()
                     self._serve_snapshot_requests()
-                    if self.train_available():
+                    if self.train_available() or self.rehearse_if_idle():
                         failures_in_a_row = 0
                     else:
                         self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
@@ -216,6 +222,9 @@ class LearnerWorker:
         entries = self.store.after(self.trained_upto, b)
         if not entries:
             return False
+        if self.settings.max_lag_s and time.time() - entries[0].received > self.settings.max_lag_s:
+            self._skip_behind()
+            return True
         if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
             return False  # wait for a full batch a little longer
         entries = self._set_aside_poison(entries)
@@ -247,9 +256,65 @@ class LearnerWorker:
         self.publish()
         if self.learner.steps % self.settings.history_every_steps == 0:
             self._record_history(stats.get("loss"))
-        if self.learner.steps - self._last_checkpoint_try >= self.settings.checkpoint_every_steps:
-            self.checkpoint()
+        self._checkpoint_if_due()
         self._maybe_snapshot()
+
+    def _skip_behind(self) -> None:
+        """Over the lag bound: the samples older than half of it reach the memory without a
+        gradient step (the memory still sees the whole stream), in chunks, each sample once."""
+        cutoff = time.time() - self.settings.max_lag_s / 2
+        entries = [e for e in self.store.after(self.trained_upto, CATCH_UP_CHUNK) if e.received < cutoff]
+        entries = self._set_aside_poison(entries)
+        if not entries:
+            return
+        self._in_step = [e.seq for e in entries]
+        self.consistent = False
+        self.learner.pass_through(images_from_blobs([e.image for e in entries], self.image_shape),
+                                  torch.tensor([e.class_id for e in entries]))
+        self.trained_upto = entries[-1].seq
+        self.consistent = True
+        self._in_step = []
+        self.metrics.samples_skipped.inc(len(entries))
+        self.publish()
+        self._checkpoint_if_due()
+
+    def rehearse_if_idle(self) -> bool:
+        """While no batch is due: a replay-only step, within its share of the worker's time.
+        Returns whether it rehearsed (or is pausing to keep to its share)."""
+        s = self.settings
+        if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self._forget_requests.qsize():
+            return False
+        pause = self._rehearsal_next - time.monotonic()
+        if pause > 0:  # keeping to the share; an arriving sample wakes the loop
+            self.wakeup.wait(min(pause, 0.5))
+            self.wakeup.clear()
+            return True
+        self.consistent = False
+        t0 = time.perf_counter()
+        stats = self.learner.rehearse()
+        spent = time.perf_counter() - t0
+        self.consistent = True
+        if stats is None:
+            return False
+        self._rehearsal_next = time.monotonic() + spent * (1 - s.idle_rehearsal_share) / s.idle_rehearsal_share
+        self.metrics.rehearsal_steps.inc()
+        self.publish()
+        self._checkpoint_if_due()
+        return True
+
+    def progress(self) -> int:
+        """Work done, in steps: stream steps, rehearsal steps, and skipped samples by the batch."""
+        lr = self.learner
+        return lr.steps + lr.rehearsal_steps + lr.samples_skipped // self.settings.batch_size
+
+    def _checkpoint_if_due(self) -> None:
+        if self.progress() - self._last_checkpoint_try >= self.settings.checkpoint_every_steps:
+            self.checkpoint()
+
+    def lag_seconds(self) -> float:
+        """The age of the oldest acknowledged sample the published model has not learned (0: none)."""
+        oldest = self.store.oldest_pending(self.trained_upto)
+        return 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
     def _score_before_training(self, images: torch.Tensor, labels: list[int]) -> None:
         """Test-then-train: the published model (the one about to step) predicts the batch."""
@@ -266,7 +331,8 @@ class LearnerWorker:
             accuracy=self.online.accuracy, window_accuracy=self.online.window_accuracy,
             new_class_samples=self.online.new_class_samples, loss=None if loss is None else float(loss),
             step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
-            backlog=self.store.pending(self.trained_upto),
+            backlog=self.store.pending(self.trained_upto), lag_s=round(self.lag_seconds(), 3),
+            samples_skipped=self.learner.samples_skipped, rehearsal_steps=self.learner.rehearsal_steps,
             per_class=by_label(classes, {c: right / n for c, (right, n) in self.online.per_class().items()}),
             memory=by_label(classes, self.memory.class_counts()),
             replayed_incoming_share=round(100 * incoming / replayed, 2) if replayed else None)
@@ -313,9 +379,9 @@ class LearnerWorker:
             log.exception("checkpoint failed; training goes on, the previous checkpoint stays in force")
             self.checkpoint_failures += 1
             self.metrics.checkpoint_failures.inc()
-            self._last_checkpoint_try = self.learner.steps
+            self._last_checkpoint_try = self.progress()
             return False
-        self.checkpointed_steps = self._last_checkpoint_try = self.learner.steps
+        self.checkpointed = self._last_checkpoint_try = self.progress()
         return True
 
     # --- forgetting a class -------------------------------------------------------------

@@ -158,7 +158,7 @@ class BodyModels:
             props["id"] = {"type": "array", "maxItems": n, "items": self.components["Sample"]["properties"]["id"],
                            "description": "optional: one sample id per image, in order"}
             required.append("label")
-        return {"schema": {"type": "object", "properties": props, "required": required},
+        return {"schema": {"type": "object", "properties": props, "required": required, "additionalProperties": False},
                 "encoding": {"image": {"contentType": ", ".join(IMAGE_FORMATS)}}}
 
     def ingest_body(self) -> dict:

@@ -52,6 +52,14 @@ class OnlineFigures(BaseModel):
     per_class: dict[str, ClassAccuracy]
 
 
+class Lag(BaseModel):
+    seconds: float = Field(description="age of the oldest acknowledged sample the published model has not learned")
+    samples: int = Field(description="acknowledged samples it has not learned (the backlog)")
+    max_lag_s: float = Field(description="the bound (ASER_MAX_LAG_S; 0: none): beyond it samples are skipped")
+    samples_skipped: int = Field(description="samples in the lineage that reached the memory without a gradient step")
+    rehearsal_steps: int = Field(description="replay-only steps taken while the stream was idle")
+
+
 class Storage(BaseModel):
     database_bytes: int = Field(description="the SQLite database on disk, its write-ahead log included")
     disk_free_bytes: int = Field(description="free space on the data directory's file system")
@@ -79,6 +87,7 @@ class Status(BaseModel):
     worker: WorkerHealth
     error: str | None = Field(description="why the worker thread ended, if it did")
     device: str
+    lag: Lag
     storage: Storage
     uptime_s: float
 
@@ -110,6 +119,9 @@ def status(rt: Runtime) -> dict:
                    "recent_quarantine": recent},
         "error": None if worker.error is None else repr(worker.error),
         "device": worker.device,
+        "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": store.pending(p.trained_upto),
+                "max_lag_s": rt.settings.max_lag_s, "samples_skipped": p.samples_skipped,
+                "rehearsal_steps": p.rehearsal_steps},
         "storage": storage(rt),
         "uptime_s": round(time.time() - rt.started, 1),
     }

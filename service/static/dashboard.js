@@ -34,7 +34,8 @@ function counters(st) {
   const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
   const items = [
     ["samples received", st.samples_received], ["samples trained", st.samples_trained],
-    ["backlog", st.backlog], ["training steps", st.steps], ["classes", st.classes.length],
+    ["backlog", st.backlog], ["lag", st.lag.seconds.toFixed(1) + " s"], ["skipped", st.lag.samples_skipped],
+    ["training steps", st.steps], ["rehearsal steps", st.lag.rehearsal_steps], ["classes", st.classes.length],
     ["online accuracy", pct(st.online.accuracy)],
     [`last ${st.online.window} samples`, pct(st.online.window_accuracy)],
     ["new-class samples", st.online.new_class_samples], ["model version", st.model_version],
@@ -128,6 +129,8 @@ function charts(history) {
   ], { yLabel: "/ s" });
   lineChart($("chart-backlog"), [{ name: "backlog (samples)", color: "#999",
     points: points.map((p) => [p.samples_trained, p.backlog]) }], { yLabel: "samples" });
+  lineChart($("chart-lag"), [{ name: "lag (s)", color: "#c0392b",
+    points: history.filter((p) => p.lag_s !== null).map((p) => [p.samples_trained, p.lag_s]) }], { yLabel: "s" });
   lineChart($("chart-step"), [{ name: "step ms", color: "#8e44ad", points: history.map((p) => [p.samples_trained, p.step_ms]) }],
             { yLabel: "ms" });
   // under ASER_LOSS=ace new classes meet old ones only in the replayed batch: a share near 0 means they never do
