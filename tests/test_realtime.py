@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import sqlite3
 import threading
 import time
 
 import httpx
+import torch
 
 from clients.api import ServiceClient
 
@@ -119,3 +121,37 @@ def test_an_idle_learner_rehearses_and_turns_to_a_new_sample_within_a_step(tmp_p
         assert status(server)["lag"]["rehearsal_steps"] >= idle["lag"]["rehearsal_steps"]
     finally:
         server.stop()
+
+
+def realtime_run(tmp_path, cache_dir, *extra, seed=0, costs=None):
+    """A real-time benchmark run on a slice of real CIFAR-10 (1,000 training images), with a fixed
+    cost model: a stream step 0.1 s (ER's throughput 100 samples/s), a skip 1 ms a sample."""
+    from clients.bench.benchmark import build_parser, run_once
+    from clients.bench.realtime import configuration_key
+    from learner.data import load_dataset
+
+    from .conftest import CIFAR10_ZIP
+    from .test_resume import run_args
+
+    args = build_parser().parse_args(["run", *run_args(cache_dir, "er", "--loss", "ace", "--cost-model",
+                                                       str(tmp_path / "costs.json"), *extra)])
+    torch.set_num_threads(args.threads)  # part of the cost model's key
+    plain = build_parser().parse_args(["run", *run_args(cache_dir, "er")])
+    fixed = costs or {"step_s": 0.1, "skip_s_per_sample": 0.001, "rehearse_s": 0.1}
+    (tmp_path / "costs.json").write_text(json.dumps({configuration_key(a): fixed for a in (args, plain)}))
+    return run_once(args, load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir), seed, progress=False)
+
+
+def test_the_realtime_protocol_is_reproducible_and_a_fast_stream_outruns_the_learner(tmp_path, cache_dir):
+    queue = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x")
+    again = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x")
+    timing = ("finished", "train_seconds")  # wall-clock facts; everything the cost model decides is equal
+    assert {k: v for k, v in queue.items() if k not in timing} == {k: v for k, v in again.items() if k not in timing}
+    rt = queue["realtime"]
+    assert rt["stream_rate"] == 400.0 and rt["skipped"] == 0 and 0.2 <= rt["trained_share"] <= 0.3
+    assert len(queue["anytime_accuracy"]) == 10 and len(queue["accuracy_matrix"]) == 5
+    bounded = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5")["realtime"]
+    assert bounded["skipped"] > 0 and bounded["unseen_share"] < rt["unseen_share"]
+    assert bounded["trained"] + bounded["skipped"] + bounded["unseen"] == 1000
+    idle = realtime_run(tmp_path, cache_dir, "--stream-rate", "0.5x", "--idle-rehearsal")["realtime"]
+    assert idle["trained_share"] >= 0.99 and idle["rehearsal_steps"] > 10 and idle["unseen"] <= 10

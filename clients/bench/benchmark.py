@@ -28,6 +28,7 @@ from learner.ncm import memory_ncm
 from learner.objective import LOSSES, STEPS
 
 from .machine import machine_description, resolve_device
+from .realtime import Stream, cost_model, simulate
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
 from .results import (
     comparison_table,
@@ -77,6 +78,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
         bar.close()
         return {**result, "machine": "the service's (see device)", "torch": torch.__version__,
                 "command": _command(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.stream_rate:
+        return run_realtime(args, data, seed)
     device = resolve_device(args.device)
     torch.manual_seed(seed)
     learner = build_learner(args, data, device, seed)
@@ -110,6 +113,45 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
                                         "stream": stream_gen.get_state(), "torch_rng": torch.get_rng_state()}, data)
     bar.close()
     return result_record(args, data, seed, device, learner, run)
+
+
+def run_realtime(args, data: ImageDataset, seed: int) -> dict:
+    """One stream for one seed under the real-time protocol (`clients.bench.realtime`)."""
+    import argparse
+
+    device = resolve_device(args.device)
+    torch.manual_seed(seed)
+    tasks = data.tasks(args.tasks)
+    costs = cost_model(args, lambda: build_learner(args, data, device, 0), data)
+    rate = args.stream_rate
+    if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
+        er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
+                                   "augment": False, "ema": None})
+        rate = float(rate[:-1]) * args.batch_size / cost_model(er, lambda: build_learner(er, data, device, 0),
+                                                               data)["step_s"]
+    learner = build_learner(args, data, device, seed)
+    stream = Stream(data, tasks, args.batch_size, torch.Generator().manual_seed(seed), float(rate))
+    run = {"matrix": [], "ncm_matrix": [], "trained_matrix": [], "replay_share": [], "resumed_at": [],
+           "machines": [machine_description(device)], "anytime": []}
+
+    def evaluate_at(kind: str, index: int) -> None:
+        seen = [c for classes in tasks[:index // 2 + 1] for c in classes]
+        x, y = task_test_set(data, seen)
+        run["anytime"].append(percent_correct(learner.predict(x).cpu(), y))
+        if kind == "end":
+            record(evaluate(learner, data, tasks), run)
+
+    t0 = time.perf_counter()
+    counts = simulate(learner, stream, costs, args, evaluate_at)
+    run["train_seconds"] = time.perf_counter() - t0  # wall time of the simulation, evaluations included
+    result = result_record(args, data, seed, device, learner, run)
+    result["anytime_accuracy"] = run["anytime"]
+    result["average_anytime_accuracy"] = sum(run["anytime"]) / len(run["anytime"])
+    result["realtime"] = {"stream_rate": round(float(rate), 3), "stream_rate_arg": str(args.stream_rate),
+                          "max_lag_s": args.max_lag, "idle_rehearsal": args.idle_rehearsal,
+                          "rehearsal_share": args.rehearsal_share, "cost_model": costs, **counts,
+                          **{f"{k}_share": round(counts[k] / stream.n, 4) for k in ("trained", "skipped", "unseen")}}
+    return result
 
 
 def _observed_accuracy(run: dict, per_task: bool) -> str:
@@ -331,6 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay methods: SGD steps per incoming batch, each with a fresh replay draw")
     run.add_argument("--ema", type=float, metavar="DECAY",
                      help="predict and evaluate with an exponential moving average of the weights (e.g. 0.99)")
+    run.add_argument("--stream-rate", metavar="R",
+                     help="the real-time protocol: the stream arrives at R samples/s (or Nx: N times plain ER's "
+                          "throughput by the cost model) against a clock the learner's work advances")
+    run.add_argument("--max-lag", type=float, default=0.0, metavar="S",
+                     help="with --stream-rate: beyond S seconds of lag, samples older than S/2 are skipped (0: none)")
+    run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
+    run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
+    run.add_argument("--cost-model", default="results/realtime/cost-model.json",
+                     help="with --stream-rate: seconds per step, skip and rehearsal per configuration (calibrated "
+                          "once on this machine and kept here)")
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
     run.add_argument("--one-class-batches", action="store_true",

@@ -58,6 +58,9 @@ def run_label(result: dict) -> str:
     'er (ace, one-class batches)'
     >>> run_label({"method": "er", "settings": {"loss": "ace", "augment": True, "iterations": 3, "ema": 0.99}})
     'er (ace, aug, 3 iter, ema 0.99)'
+    >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "2x", "max_lag_s": 60.0,
+    ...                                                         "idle_rehearsal": False}})
+    'er (rate 2x, lag 60 s)'
     """
     settings = result.get("settings", {})
     modes = [settings[k] for k, default in (("step", "joint"), ("loss", "ce")) if settings.get(k, default) != default]
@@ -75,6 +78,9 @@ def run_label(result: dict) -> str:
         modes.append(f"{settings['train_per_class']}/class")
     if result.get("via"):
         modes.append("via service")
+    if rt := result.get("realtime"):  # the real-time protocol never pools with the offline one
+        modes.append(f"rate {rt['stream_rate_arg']}" + (f", lag {rt['max_lag_s']:g} s" if rt["max_lag_s"] else "")
+                     + (", idle rehearsal" if rt["idle_rehearsal"] else ""))
     return result["method"] + (f" ({', '.join(modes)})" if modes else "")
 
 

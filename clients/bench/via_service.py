@@ -4,7 +4,10 @@ evaluated through POST /predict once the service has trained on everything it ac
 
 Used by `python -m clients.bench.benchmark run --via URL`; the record has the in-process run's form,
 so the two compare directly (same stream order for the same seed; the service's learner has
-its own seed, ASER_SEED, and grows its head as classes arrive).
+its own seed, ASER_SEED, and grows its head as classes arrive). With `--stream-rate R` the
+stream goes at R samples/s of wall-clock time and never waits for the learner: each task is
+evaluated as the model stands when its last sample is acknowledged (the real-time protocol, live;
+the service's ASER_MAX_LAG_S and ASER_IDLE_REHEARSAL decide what it does when behind or idle).
 """
 
 from __future__ import annotations
@@ -56,6 +59,26 @@ def evaluate_via(client: ServiceClient, data: ImageDataset, tasks: list[list[int
     return accs
 
 
+def wall_clock_rate(args) -> float | None:
+    """--stream-rate as samples per second of wall-clock time (None: as fast as acknowledged)."""
+    if not args.stream_rate:
+        return None
+    try:
+        return float(args.stream_rate)
+    except ValueError:
+        raise SystemExit("error: with --via, --stream-rate is samples per second (the Nx form needs the "
+                         "in-process cost model)") from None
+
+
+def paced(batches, rate: float | None, start: float, sent: int):
+    """The batches, each sent no sooner than its samples are due at `rate` samples/s."""
+    for labels, images in batches:
+        if rate:
+            time.sleep(max(0.0, start + sent / rate - time.perf_counter()))
+        sent += len(images)
+        yield labels, images
+
+
 def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     """Stream the class-incremental benchmark through the service at args.via; returns the record."""
     client = ServiceClient(args.via, token=args.token, timeout=600)
@@ -68,27 +91,33 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     if st["samples_received"]:
         raise SystemExit(f"error: {args.via} has already received {st['samples_received']} samples; "
                          "--via needs a fresh service (an empty data directory)")
+    rate = wall_clock_rate(args)
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
     matrix: list[list[float]] = []
-    received, train_seconds = 0, 0.0
+    received, train_seconds, start = 0, 0.0, time.perf_counter()
     with client.websocket() as ws:
         for classes in tasks:
             t0 = time.perf_counter()
             batches = ((([data.class_names[int(c)] for c in y], [png_bytes(img) for img in x]))
                        for x, y in task_batches(data, classes, args.batch_size, stream_gen, args.one_class_batches))
-            for ack in ws.pipeline(batches, window=16):
+            for ack in ws.pipeline(paced(batches, rate, start, received), window=16):
                 if "error" in ack:
                     raise RuntimeError(f"the service refused a batch: {ack}")
                 received += ack["accepted"]
                 bar.update(1)
-            wait_until_trained(client, received)
+            if rate is None:
+                wait_until_trained(client, received)
             train_seconds += time.perf_counter() - t0
             matrix.append(evaluate_via(client, data, tasks))
             bar.set_postfix(task=len(matrix), acc=f"{sum(matrix[-1][:len(matrix)]) / len(matrix):.1f}")
     st = client.status()
     client.close()
-    return {
+    live = {"realtime": {"stream_rate": rate, "stream_rate_arg": str(args.stream_rate), "max_lag_s": st["lag"]["max_lag_s"],
+                         "idle_rehearsal": st["lag"]["rehearsal_steps"] > 0, "trained": st["samples_trained"],
+                         "skipped": st["lag"]["samples_skipped"], "rehearsal_steps": st["lag"]["rehearsal_steps"],
+                         "unseen": received - st["samples_trained"] - st["lag"]["samples_skipped"]}} if rate else {}
+    return {**live,
         "method": st["method"],
         "dataset": args.dataset,
         "mem_size": st["config"]["mem_size"],

@@ -1,0 +1,155 @@
+"""The real-time protocol (`run --stream-rate R`): the stream does not wait for the learner.
+
+Sample i of the class-incremental stream arrives at i / R seconds. The learner acts on a clock
+that its own work advances, by a cost model (seconds per stream step, per sample passed through
+the memory, per rehearsal step) calibrated once per configuration and machine and kept in a file
+(`--cost-model`), so a run is reproducible from its seed: a method that costs more trains on less
+of the stream (Ghunaim et al., CVPR 2023). At each moment the learner, like the service's worker:
+
+- over the lag bound (`--max-lag S`: the oldest waiting sample is older than S), passes the
+  samples older than S/2 through the memory without a gradient step (skipped);
+- else trains on the next full batch, if one has arrived;
+- else, with `--idle-rehearsal`, takes a replay-only step within `--rehearsal-share` of its time;
+- else waits for the next arrival.
+
+The stream ends when its last sample arrives: what was not learned by then is unseen. The model
+is evaluated at each task's end (the accuracy matrix: A_T, F_T) and halfway through each task
+("anytime" accuracy: on the classes seen so far, at points spread along the stream). The result
+has the shares of the stream trained, skipped and unseen, and the rehearsal steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CATCH_UP_CHUNK = 100  # as the service's worker
+
+
+def configuration_key(args) -> str:
+    """What decides a step's cost: the method and its options, the memory, the batch, the threads."""
+    parts = [args.method, args.loss, args.step, f"it{args.iterations}", "aug" if args.augment else "noaug",
+             f"m{args.mem_size}", f"b{args.batch_size}", f"t{torch.get_num_threads()}", args.dataset]
+    return "-".join(parts)
+
+
+def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> dict:
+    """Median seconds of a stream step, a sample passed through and a rehearsal step, with a full
+    memory of real training images (the same learner kind as the run, seed 0)."""
+    learner = build()
+    x, y = data.train_x, data.train_y
+    order = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))
+    seen = 0
+    while len(getattr(learner, "buffer", ())) < mem_size and seen + batch_size <= y.numel():
+        batch = order[seen:seen + batch_size]
+        learner.observe(x[batch], y[batch])
+        seen += batch_size
+
+    def median_seconds(fn, n):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    cursor = [seen]
+
+    def next_batch(n):
+        idx = order[cursor[0] % y.numel():][:n]
+        cursor[0] += n
+        return x[idx], y[idx]
+
+    step = median_seconds(lambda: learner.observe(*next_batch(batch_size)), rounds)
+    skip = median_seconds(lambda: learner.pass_through(*next_batch(CATCH_UP_CHUNK)), max(3, rounds // 10))
+    rehearse = median_seconds(learner.rehearse, rounds) if getattr(learner, "buffer", None) is not None else step
+    return {"step_s": step, "skip_s_per_sample": skip / CATCH_UP_CHUNK, "rehearse_s": rehearse,
+            "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def cost_model(args, build, data) -> dict:
+    """The configuration's costs from `--cost-model` (calibrated and added to it if absent)."""
+    path = Path(args.cost_model)
+    models = json.loads(path.read_text()) if path.exists() else {}
+    key = configuration_key(args)
+    if key not in models:
+        models[key] = calibrate(build, data, args.batch_size, args.mem_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(models, indent=2) + "\n")
+    return {"key": key, **models[key]}
+
+
+class Stream:
+    """The class-incremental stream, one sample at a time, and when each arrives."""
+
+    def __init__(self, data, tasks: list[list[int]], batch_size: int, generator: torch.Generator, rate: float):
+        from learner.data import task_batches
+
+        xs, ys, self.task_ends = [], [], []
+        for classes in tasks:
+            for x, y in task_batches(data, classes, batch_size, generator):
+                xs.append(x)
+                ys.append(y)
+            self.task_ends.append(sum(len(y) for y in ys))
+        self.x, self.y, self.rate = torch.cat(xs), torch.cat(ys), rate
+        self.n = len(self.y)
+
+    def arrival(self, i: int) -> float:
+        return i / self.rate
+
+    def arrived(self, t: float) -> int:
+        """How many samples have arrived by time t."""
+        return min(self.n, int(t * self.rate) + 1) if t >= 0 else 0
+
+
+def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
+    """Run the stream against the learner's clock; `evaluate_at(kind, index)` evaluates the model
+    as it is when point `index` of the evaluation schedule comes due."""
+    b, bound = args.batch_size, args.max_lag
+    share = args.rehearsal_share
+    points = schedule(stream)
+    t, nxt, next_point = 0.0, 0, 0
+    counts = {"trained": 0, "skipped": 0, "rehearsal_steps": 0}
+    end = stream.arrival(stream.n - 1)
+    while True:
+        while next_point < len(points) and points[next_point][0] <= t:  # the model as it is now
+            evaluate_at(points[next_point][1], next_point)
+            next_point += 1
+        if t > end or next_point == len(points):
+            break
+        arrived = stream.arrived(t)
+        waiting = arrived - nxt
+        if waiting and bound and t - stream.arrival(nxt) > bound:
+            upto = min(stream.arrived(t - bound / 2), nxt + CATCH_UP_CHUNK)
+            upto = max(upto, nxt + 1)
+            learner.pass_through(stream.x[nxt:upto], stream.y[nxt:upto])
+            t += costs["skip_s_per_sample"] * (upto - nxt)
+            counts["skipped"] += upto - nxt
+            nxt = upto
+        elif waiting >= b or (waiting and arrived == stream.n):
+            upto = min(nxt + b, arrived)
+            learner.observe(stream.x[nxt:upto], stream.y[nxt:upto])
+            t += costs["step_s"]
+            counts["trained"] += upto - nxt
+            nxt = upto
+        elif args.idle_rehearsal and learner.rehearse() is not None:
+            counts["rehearsal_steps"] += 1
+            t += costs["rehearse_s"] / share  # its step, and the pause that keeps it to its share
+        else:  # wait for the batch to fill (or the next point, or the stream's end)
+            wake = stream.arrival(min(stream.n - 1, nxt + b - 1)) if nxt < stream.n else end
+            t = max(t, min(wake, points[next_point][0] if next_point < len(points) else wake)) + 1e-9
+    counts["unseen"] = stream.n - counts["trained"] - counts["skipped"]
+    return counts
+
+
+def schedule(stream: Stream) -> list[tuple[float, str]]:
+    """(time, kind) of each evaluation: halfway through each task ("mid") and at its end ("end")."""
+    points, start = [], 0
+    for end in stream.task_ends:
+        points += [(stream.arrival((start + end) // 2), "mid"), (stream.arrival(end - 1), "end")]
+        start = end
+    return points
