@@ -69,3 +69,25 @@ def test_via_streams_through_a_real_service(tmp_path, cache_dir):
             run(tmp_path, cache_dir, "er", out, "--via", server.url, "--loss", "ace")
     finally:
         server.stop()
+
+
+def test_via_paces_the_stream_at_wall_clock_rate(tmp_path, cache_dir):
+    """--via --stream-rate R: samples go at R per second and tasks are evaluated without waiting
+    for the learner; the service's lag bound decides what it skips."""
+    import time
+
+    from .test_service import Server
+
+    server = Server(tmp_path / "svc", method="er", mem_size=30, max_lag_s=1, max_batch_wait_s=0.2).start()
+    try:
+        out = tmp_path / "live.json"
+        t0 = time.monotonic()
+        assert run(tmp_path, cache_dir, "er", out, "--via", server.url, "--loss", "ace", "--stream-rate", "50") == 0
+        assert time.monotonic() - t0 >= 200 / 50 - 0.5  # 200 samples at 50 per second
+        rt = json.loads(out.read_text())["realtime"]
+        assert rt["stream_rate"] == 50 and rt["trained"] + rt["skipped"] + rt["unseen"] == 200
+        with pytest.raises(SystemExit, match="samples per second"):
+            run(tmp_path, cache_dir, "er", tmp_path / "x.json", "--via", server.url, "--loss", "ace",
+                "--stream-rate", "2x")
+    finally:
+        server.stop()

@@ -81,6 +81,7 @@ def paced(batches, rate: float | None, start: float, sent: int):
 
 def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     """Stream the class-incremental benchmark through the service at args.via; returns the record."""
+    rate = wall_clock_rate(args)
     client = ServiceClient(args.via, token=args.token, timeout=600)
     st = client.status()
     default = ReplayObjective()  # a method without replay reports neither: it takes the defaults' form
@@ -91,7 +92,6 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     if st["samples_received"]:
         raise SystemExit(f"error: {args.via} has already received {st['samples_received']} samples; "
                          "--via needs a fresh service (an empty data directory)")
-    rate = wall_clock_rate(args)
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
     matrix: list[list[float]] = []
