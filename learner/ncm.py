@@ -37,6 +37,33 @@ class NearestClassMean:
         return self.classes[(unit @ self.means.T).argmax(1)]
 
 
+NCM_SCALE = 16.0  # cosine similarities x16 as logits: softmax then gives probabilities that separate
+
+
+def ncm_head(learner, scale: float = NCM_SCALE) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The memory's nearest-class-mean classifier as a linear head on unit-norm features:
+    weight row c = scale * the unit mean of class c, bias 0; a class without memory samples gets
+    a zero row and a bias of -1e4, so it is never predicted. Its argmax is NCM's; softmax of its
+    logits gives probabilities. None for a learner without a memory (or an empty one).
+
+    >>> from learner import make_learner
+    >>> learner = make_learner("er", num_classes=3, mem_size=10)
+    >>> learner.observe(torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8), torch.tensor([0, 0, 2, 2, 0, 2]))
+    {...}
+    >>> weight, bias = ncm_head(learner)
+    >>> weight.shape, bias.tolist()
+    (torch.Size([3, 160]), [0.0, -10000.0, 0.0])
+    """
+    ncm = memory_ncm(learner)
+    if ncm is None:
+        return None
+    weight = torch.zeros(learner.num_classes, ncm.means.shape[1], device=ncm.means.device)
+    bias = torch.full((learner.num_classes,), -1e4, device=ncm.means.device)
+    weight[ncm.classes] = scale * ncm.means
+    bias[ncm.classes] = 0.0
+    return weight, bias
+
+
 def memory_ncm(learner) -> NearestClassMean | None:
     """The NCM classifier of a learner's replay memory under its serving weights, or None for a
     learner without one."""

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
                             "fresh replay draw")
     ema: float = Field(0.0, ge=0, lt=1, description="predictions and snapshots from a moving average of the "
                        "weights with this decay (0: the trained weights)")
+    head: Literal["softmax", "ncm"] = Field("softmax", description="what predictions and snapshots answer with: "
+                                            "the softmax head, or nearest class mean on the memory's features")
+    ncm_refresh_steps: int = Field(50, ge=1, description="with ASER_HEAD=ncm: recompute the class means every N "
+                                   "steps (and when the memory's classes change)")
     device: str = "auto"
     latent_bf16: bool = Field(False, description="the memory policies' feature passes in bf16 (training and "
                               "predictions stay fp32); ~2x faster ASER steps on CPUs with AMX / AVX-512 BF16")

@@ -41,21 +41,26 @@ log = logging.getLogger("aser.snapshots")
 
 class PixelsToLogits(nn.Module):
     """uint8 [n, 3, H, W] -> logits over the head rows `rows` (the classes learned and not
-    forgotten), in eval mode, on a copy of `model` taken now (later training steps do not reach it)."""
+    forgotten), in eval mode, on a copy of `model` taken now (later training steps do not reach it).
+    The head is the model's own, or a given one (`head`: weight, bias) on unit-norm features
+    (`normalize`): the memory's class means, `learner.ncm.ncm_head`, as a layer of the graph."""
 
-    def __init__(self, model: ReducedResNet18, rows: list[int]):
+    def __init__(self, model: ReducedResNet18, rows: list[int],
+                 head: tuple[torch.Tensor, torch.Tensor] | None = None, normalize: bool = False):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
-        head = nn.Linear(net.head.in_features, len(rows))
+        weight, bias = head if head is not None else (net.head.weight, net.head.bias)
+        layer = nn.Linear(net.head.in_features, len(rows))
         with torch.no_grad():
-            head.weight.copy_(net.head.weight[rows])
-            head.bias.copy_(net.head.bias[rows])
-        net.head = head
-        self.net = net
+            layer.weight.copy_(weight[rows])
+            layer.bias.copy_(bias[rows])
+        net.head = nn.Identity()
+        self.net, self.head, self.normalize = net, layer, normalize
         self.eval()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.net(scale_pixels(pixels))
+        features = self.net.features(scale_pixels(pixels))
+        return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features)
 
 
 def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: dict) -> None:
@@ -81,13 +86,15 @@ class ExportJob:
     rows: list[int]  # the head row of each class
     path: Path
     metadata: dict
+    head: tuple[torch.Tensor, torch.Tensor] | None = None  # a head other than the model's (NCM)
+    normalize: bool = False  # the head takes unit-norm features
 
 
 def run_export(job: ExportJob) -> int:
     """Build the network from the weights, export it to job.path; returns the file's size."""
     model = ReducedResNet18(job.weights["head.weight"].shape[0], input_size=job.input_size)
     model.load_state_dict(job.weights)
-    export_onnx(PixelsToLogits(model, job.rows), job.classes, job.path, job.metadata)
+    export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize), job.classes, job.path, job.metadata)
     return job.path.stat().st_size
 
 
@@ -178,7 +185,7 @@ class SnapshotStore:
         self._thread.submit(self._run, None)  # start the process and its imports now, not at the first export
 
     def submit(self, model: ReducedResNet18, classes: list[str | None], version: int, steps: int, samples: int,
-               reason: str) -> Future:
+               reason: str, head: tuple[torch.Tensor, torch.Tensor] | None = None, head_name: str = "softmax") -> Future:
         """Queue an export of `model` as it is now (the weights are copied here, between steps),
         with the head rows of `classes` that are not None (forgotten); the future gives the
         snapshot's row, or raises SnapshotFailed."""
@@ -187,8 +194,10 @@ class SnapshotStore:
         created = time.time()
         name = f"snapshot-{steps:09d}-v{version}-{time.time_ns()}.onnx"
         meta = {"model_version": version, "steps": steps, "samples_trained": samples, "method": self.method,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
-        job = ExportJob(weights, model.input_size, [classes[i] for i in rows], rows, self.directory / name, meta)
+                "head": head_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
+        head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
+        job = ExportJob(weights, model.input_size, [classes[i] for i in rows], rows, self.directory / name, meta,
+                        head, normalize=head_name == "ncm")
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 

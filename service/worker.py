@@ -29,6 +29,7 @@ import torch
 from learner import make_learner
 from learner.base import ContinualLearner
 from learner.model import scale_pixels
+from learner.ncm import ncm_head
 
 from .checkpoints import CheckpointStore
 from .db import Database
@@ -60,15 +61,18 @@ class Predictor:
     trained_upto: int
     samples_skipped: int = 0
     rehearsal_steps: int = 0
+    normalize: bool = False  # the head takes unit-norm features (the NCM head)
 
     @classmethod
-    def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int) -> "Predictor":
-        head = learner.serving_model.head
+    def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
+                     ncm: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Predictor":
+        """The serving weights' softmax head, or `ncm` (`learner.ncm.ncm_head`) on unit-norm features."""
+        weight, bias = ncm if ncm is not None else (learner.serving_model.head.weight, learner.serving_model.head.bias)
         # classes ingested but not yet trained on have no head row yet; they are not answered
-        n = min(len(classes), head.out_features)
-        return cls(learner.inference_features(), head.weight.detach()[:n].clone(), head.bias.detach()[:n].clone(),
+        n = min(len(classes), weight.shape[0])
+        return cls(learner.inference_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
                    tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
-                   learner.samples_skipped, learner.rehearsal_steps)
+                   learner.samples_skipped, learner.rehearsal_steps, normalize=ncm is not None)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -80,7 +84,10 @@ class Predictor:
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            logits = torch.nn.functional.linear(self.features(scale_pixels(images)), self.head_weight, self.head_bias)
+            features = self.features(scale_pixels(images))
+            if self.normalize:
+                features = torch.nn.functional.normalize(features, dim=1)
+            logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
             return torch.softmax(logits, dim=1)
 
 
@@ -174,6 +181,7 @@ class LearnerWorker:
         self._last_snapshot = learner.steps
         self.checkpointed = self._last_checkpoint_try = self.progress()
         self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
+        self._ncm, self._ncm_classes, self._ncm_at = None, set(), -(10**9)  # the NCM head and when it was made
         self.consistent = True
         self.publish()
 
@@ -366,10 +374,23 @@ class LearnerWorker:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def publish(self) -> None:
+    def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
-        self.predictor = Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto)
+        self._refresh_ncm_head(refresh_head)
+        self.predictor = Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto, self._ncm)
         self.memory = MemoryView.of(self.learner)
+
+    def _refresh_ncm_head(self, force: bool) -> None:
+        """With ASER_HEAD=ncm: the class means, from a feature pass over the memory, every
+        ASER_NCM_REFRESH_STEPS steps and whenever the memory's classes change (a new class is
+        answered at once, a forgotten one never again)."""
+        if self.settings.head != "ncm":
+            return
+        buffer = getattr(self.learner, "buffer", None)
+        classes = set(buffer.class_counts()) if buffer is not None else set()
+        due = self.progress() - self._ncm_at >= self.settings.ncm_refresh_steps
+        if force or due or classes != self._ncm_classes:
+            self._ncm, self._ncm_classes, self._ncm_at = ncm_head(self.learner), classes, self.progress()
 
     def checkpoint(self) -> bool:
         """Persist the lineage; a failure (disk full, say) is logged and retried later."""
@@ -400,7 +421,7 @@ class LearnerWorker:
             try:
                 removed = self.learner.forget_class(forgotten.class_id)
                 self.online.forget_class(forgotten.class_id)
-                self.publish()
+                self.publish(refresh_head=True)
                 self.checkpoint()
                 self.history.forget_label(forgotten.label)
                 self.snapshots.purge(self.store.forgotten())
@@ -439,8 +460,9 @@ class LearnerWorker:
     def _snapshot(self, reason: str) -> Future:
         p = self.predictor  # the classes the published weights answer
         self._last_snapshot = self.learner.steps
+        head = (p.head_weight, p.head_bias) if p.normalize else None  # the NCM head, as a layer of the graph
         return self.snapshots.submit(self.learner.serving_model, list(p.classes), p.version, p.steps, p.samples_trained,
-                                     reason)
+                                     reason, head, self.settings.head)
 
 
 def _relay(done: Future, answer: Future) -> None:

@@ -111,3 +111,57 @@ def test_a_run_with_every_option_resumes_to_the_uninterrupted_result(tmp_path, c
     # the serving (average) head and the trained weights' own head, evaluated side by side
     assert len(whole["accuracy_matrix_trained"]) == 5 and whole["accuracy_matrix_trained"] != whole["accuracy_matrix"]
     assert resumed["accuracy_matrix_trained"] == whole["accuracy_matrix_trained"]
+
+
+def test_an_onnx_snapshot_with_the_ncm_head_predicts_as_the_learners_ncm(cifar10_slice, tmp_path):
+    """The memory's class means as a layer of the graph: onnxruntime's predictions are the
+    learner's nearest-class-mean predictions, on real CIFAR-10 test images."""
+    from clients.onnx_client import OnnxClassifier
+    from learner.data import task_batches
+    from learner.ncm import memory_ncm, ncm_head
+    from service.snapshots import PixelsToLogits, export_onnx
+
+    data = cifar10_slice
+    learner = make_learner("er", num_classes=10, mem_size=200, loss="ace", ema_decay=0.9, seed=0)
+    for i, (x, y) in enumerate(task_batches(data, list(range(6)), 10, torch.Generator().manual_seed(0))):
+        learner.observe(x, y)
+        if i == 60:
+            break
+    present = sorted(learner.buffer.class_counts())
+    net = PixelsToLogits(learner.serving_model, list(range(10)), ncm_head(learner), normalize=True)
+    export_onnx(net, data.class_names, tmp_path / "ncm.onnx", {"model_version": learner.version, "head": "ncm"})
+    onnx = OnnxClassifier(tmp_path / "ncm.onnx")
+    assert onnx.metadata["head"] == "ncm"
+    images = data.test_x[::5]
+    theirs = onnx.logits(images.numpy()).argmax(1)
+    ours = memory_ncm(learner).predict(learner.serving_features(images)).numpy()
+    assert (theirs == ours).mean() > 0.99 and set(theirs.tolist()) <= set(present)
+
+
+def test_the_service_answers_with_the_ncm_head_and_its_snapshot_alike(tmp_path):
+    import io
+
+    import httpx
+    import numpy as np
+
+    from clients.onnx_client import OnnxClassifier
+
+    from .test_service import Server, b64, wait_trained
+    from .test_online import two_classes
+
+    server = Server(tmp_path / "svc", method="er", head="ncm", ncm_refresh_steps=2).start()
+    try:
+        samples = two_classes(30)
+        body = {"samples": [{"label": label, "image": b64(img)} for label, img in samples]}
+        assert httpx.post(f"{server.url}/samples", json=body).status_code == 201
+        wait_trained(server, len(samples))
+        probe = [img for _, img in two_classes(40)[-20:]]
+        served = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in probe], "k": 2}).json()
+        snap = httpx.post(f"{server.url}/snapshots").json()
+        onnx = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{snap['id']}").content)
+        assert onnx.metadata["head"] == "ncm" and httpx.get(f"{server.url}/status").json()["config"]["head"] == "ncm"
+        for ours, theirs in zip(onnx.predict([io.BytesIO(i) for i in probe], k=2), served["results"]):
+            assert [t["label"] for t in ours] == [t["label"] for t in theirs]
+            assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)
+    finally:
+        server.stop()
