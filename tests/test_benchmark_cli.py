@@ -54,6 +54,11 @@ def test_via_streams_through_a_real_service(tmp_path, cache_dir):
     server = Server(tmp_path / "svc", method="er", mem_size=30, max_batch_wait_s=0.2).start()
     try:
         out = tmp_path / "via.json"
+        # the offline protocol sends the stream at once: a service that bounds its lag would skip
+        with pytest.raises(SystemExit, match="ASER_MAX_LAG_S=0"):
+            run(tmp_path, cache_dir, "er", out, "--via", server.url, "--loss", "ace")
+        server.stop()
+        server = Server(tmp_path / "svc", method="er", mem_size=30, max_batch_wait_s=0.2, max_lag_s=0).start()
         # the service trains ER with its default loss, ACE: a run that says otherwise is refused, unsent
         with pytest.raises(SystemExit, match=r"runs method, step, loss \('er', 'joint', 'ace'\)"):
             run(tmp_path, cache_dir, "er", out, "--via", server.url)

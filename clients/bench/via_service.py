@@ -89,6 +89,10 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     if served != (args.method, args.step, args.loss):
         raise SystemExit(f"error: the service at {args.via} runs method, step, loss {served}, "
                          f"not {(args.method, args.step, args.loss)}")
+    if rate is None and st["lag"]["max_lag_s"]:
+        raise SystemExit(f"error: {args.via} bounds its lag (ASER_MAX_LAG_S={st['lag']['max_lag_s']:g}) and would skip "
+                         "samples of a stream sent at once; start it with ASER_MAX_LAG_S=0 for the offline protocol, "
+                         "or pass --stream-rate for the real-time one")
     if st["samples_received"]:
         raise SystemExit(f"error: {args.via} has already received {st['samples_received']} samples; "
                          "--via needs a fresh service (an empty data directory)")
