@@ -13,6 +13,12 @@ every acknowledged id within the id horizon is there exactly once, under the seq
 acknowledged with, and that the log's rows are exactly the sequence numbers acknowledged.
 
     python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/soak-cpu.json
+
+A sustained overload is the same run faster than the learner, with a lag bound: the series then
+shows the lag held near the bound and the shares trained and skipped.
+
+    python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 6 --rate 60 \
+        --env ASER_METHOD=sv-upd --env ASER_MAX_LAG_S=30 --out results/overload-cpu.json
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ def soak(args) -> dict:
                 series.append({"t_s": round(elapsed, 1), "database_bytes": st["storage"]["database_bytes"],
                                "rss_bytes": rss_bytes(service.proc.pid), "received": st["samples_received"],
                                "trained": st["samples_trained"], "backlog": st["backlog"],
+                               "lag_s": st["lag"]["seconds"], "skipped": st["lag"]["samples_skipped"],
                                "pixels_dropped": st["storage"]["retention_pixels_dropped"],
                                "freed_bytes": st["storage"]["retention_freed_bytes"]})
                 print(json.dumps(series[-1]), flush=True)
