@@ -19,7 +19,8 @@ value or a list, and the block stands for every combination:
     train_per_class = 0           # 0: the whole stream
     seed = "0-14"                 # a list, or a range "a-b"
 
-Other keys of a block (lr, ...) are passed to `run` as they are and do not enter the file names.
+Other keys of a block (lr, ...) are passed to `run` as they are (true: a flag alone) and do not enter
+the file names, except the real-time protocol's (stream_rate, max_lag, idle_rehearsal).
 Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-aug][-it<N>][-ema<D>][-n<N>][-m<M>]-seed<s>.json
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
@@ -85,6 +86,9 @@ class RunSpec:
         'iid-offline-seed0.json'
         >>> RunSpec("cifar10", "er", 200, "joint", "ace", "fp32", 1, True, 3, 0.99, 1000).file_name()
         'er-ace-aug-it3-ema0.99-n1000-m200-seed1.json'
+        >>> RunSpec("cifar10", "er", 1000, "joint", "ace", "fp32", 0,
+        ...         extra=(("idle_rehearsal", True), ("max_lag", 60), ("stream_rate", "2x"))).file_name()
+        'er-ace-rate2x-lag60-idle-m1000-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -92,6 +96,13 @@ class RunSpec:
         parts += [v for v, default in ((self.step, "joint"), (self.loss, "ce")) if v != default]
         parts += ["aug"] * self.augment + [f"it{self.iterations}"] * (self.iterations != 1)
         parts += [f"ema{self.ema:g}"] * bool(self.ema) + [f"n{self.train_per_class}"] * bool(self.train_per_class)
+        extra = dict(self.extra)  # the real-time protocol's settings name their runs too
+        if "stream_rate" in extra:
+            parts.append(f"rate{extra['stream_rate']}")
+        if extra.get("max_lag"):
+            parts.append(f"lag{extra['max_lag']:g}")
+        if extra.get("idle_rehearsal"):
+            parts.append("idle")
         if self.uses_memory:
             parts.append(f"m{self.mem_size}")
         return "-".join(parts) + f"-seed{self.seed}.json"
@@ -107,7 +118,8 @@ class RunSpec:
         cmd += ["--ema", str(self.ema)] * bool(self.ema)
         cmd += ["--train-per-class", str(self.train_per_class)] * bool(self.train_per_class)
         for key, value in self.extra:
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            cmd += [flag] if value is True else [] if value is False else [flag, str(value)]
         return cmd
 
 
@@ -134,15 +146,17 @@ def seeds(value) -> list[int]:
 
 
 def expand(grid: dict) -> list[RunSpec]:
-    """Every combination of every block, blocks in order, seeds interleaved within a block."""
+    """Every combination of every block (a list under any key, an axis or not, is one more
+    dimension), blocks in order, seeds interleaved within a block."""
     specs: list[RunSpec] = []
     for block in grid.get("runs", []):
         axes = {k: block.get(k, DEFAULTS.get(k)) for k in AXES}
         if axes["dataset"] is None or axes["method"] is None or axes["seed"] is None:
             raise ValueError(f"a block needs dataset, method and seed: {block}")
         values = [seeds(axes["seed"]) if k == "seed" else (v if isinstance(v, list) else [v]) for k, v in axes.items()]
-        extra = tuple(sorted((k, v) for k, v in block.items() if k not in AXES))
-        combos = [RunSpec(*combo, extra=extra) for combo in itertools.product(*values)]
+        extras = {k: (v if isinstance(v, list) else [v]) for k, v in sorted(block.items()) if k not in AXES}
+        combos = [RunSpec(*combo, extra=tuple(zip(extras, extra)))
+                  for combo in itertools.product(*values) for extra in itertools.product(*extras.values())]
         specs += sorted(combos, key=lambda s: s.seed)  # stable: the other axes keep their order per seed
     return list(dict.fromkeys(specs))
 
