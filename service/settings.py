@@ -148,8 +148,14 @@ class Settings(BaseSettings):
     def learner_identity(self) -> dict[str, str]:
         """The settings that decide how the learner trains, as environment variables: a checkpoint
         made under some does not go on under others (the stronger learner's only where set, so a data
-        directory made before they existed goes on)."""
-        chosen = {"method": self.method, **self.replay_objective(), **self.stronger_learner()}
+        directory made before they existed goes on).
+
+        >>> Settings(method="er", augment=True, ema=0.99).learner_identity()
+        {'ASER_METHOD': 'er', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace', 'ASER_AUGMENT': 'True'}
+        """
+        # the moving average only serves: a lineage may take it up or drop it
+        training = {k: v for k, v in self.stronger_learner().items() if k != "ema_decay"}
+        chosen = {"method": self.method, **self.replay_objective(), **training}
         return {f"ASER_{k.removesuffix('_decay').upper()}": str(v) if not isinstance(v, str) else v
                 for k, v in chosen.items()}
 

@@ -165,3 +165,26 @@ def test_the_service_answers_with_the_ncm_head_and_its_snapshot_alike(tmp_path):
             assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)
     finally:
         server.stop()
+
+
+def test_a_data_directory_keeps_its_lineage_under_the_new_options(tmp_path):
+    """Made under the defaults: it goes on with a moving-average head (serving only), and refuses
+    to train its lineage on with more iterations, naming the setting."""
+    import httpx
+
+    from .test_online import two_classes
+    from .test_service import Server, b64, wait_trained
+
+    data_dir = tmp_path / "svc"
+    server = Server(data_dir, method="er").start()
+    samples = two_classes(10)
+    httpx.post(f"{server.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in samples]})
+    wait_trained(server, len(samples))
+    server.stop()
+    averaged = Server(data_dir, method="er", ema=0.99).start()
+    try:
+        assert httpx.get(f"{averaged.url}/status").json()["samples_trained"] == len(samples)
+    finally:
+        averaged.stop()
+    with pytest.raises(RuntimeError, match="ASER_ITERATIONS"):
+        Server(data_dir, method="er", iterations=2).start()
