@@ -66,7 +66,7 @@ class ContinualLearner:
         self.rehearsal_steps = 0  # replay-only steps taken while the stream was idle
         self.current_task_classes: torch.Tensor | None = None
         self.forgotten: set[int] = set()  # classes removed on request: never predicted again
-        self._folded = None  # (version, {(serving, dtype): folded f_ext}) for inference
+        self._folded = None  # (version, {(id of the net, dtype): folded f_ext}) for inference
 
     # --- the step ----------------------------------------------------------------------
     def observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:

@@ -4,7 +4,9 @@ step (predictions never wait for training and never see a half-updated model).
 
 It starts from the last committed checkpoint and trains on every acknowledged sample after
 that checkpoint's `trained_upto`; work after the last checkpoint is simply redone, so every
-sample is in the persisted lineage exactly once.
+sample is in the persisted lineage exactly once. Over the lag bound (ASER_MAX_LAG_S) the oldest
+samples pass through the memory without a gradient step instead (skipped, not scored); while no
+batch is due it may rehearse from the memory (ASER_IDLE_REHEARSAL).
 
 It is supervised: a step that raises leaves the learner half-updated, so that learner is
 dropped, nothing of it is persisted, and training restarts from the last committed
