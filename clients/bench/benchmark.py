@@ -117,8 +117,6 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
 
 def run_realtime(args, data: ImageDataset, seed: int) -> dict:
     """One stream for one seed under the real-time protocol (`clients.bench.realtime`)."""
-    import argparse
-
     device = resolve_device(args.device)
     torch.manual_seed(seed)
     tasks = data.tasks(args.tasks)
