@@ -44,6 +44,11 @@ class CheckpointStore:
         with db.schema() as schema:
             schema.executescript(SCHEMA)
 
+    def trained_upto(self) -> int:
+        """The last committed checkpoint's trained_upto (0: none yet)."""
+        row = self.latest()
+        return row["trained_upto"] if row else 0
+
     def latest(self) -> dict | None:
         with self.db.read() as conn:
             row = conn.execute("SELECT * FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()

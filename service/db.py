@@ -38,6 +38,8 @@ from .errors import StorageFull
 
 log = logging.getLogger("aser.db")
 
+INCREMENTAL = 2  # PRAGMA auto_vacuum's value for incremental auto-vacuum
+
 
 def is_disk_full(exc: BaseException) -> bool:
     """SQLite's SQLITE_FULL, or the OS's ENOSPC / EDQUOT."""
@@ -62,7 +64,7 @@ class Database:
         """Free pages can go back to the file system (retention). Set before the first table; a
         database made before this gets one VACUUM at start-up (its size in temporary space)."""
         conn = self._writer
-        if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+        if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == INCREMENTAL:
             return
         log.info("storage: converting %s to incremental auto-vacuum (one VACUUM)", self.path)
         try:
@@ -86,43 +88,38 @@ class Database:
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, all or nothing; durable when the block exits. A full disk
         raises StorageFull, and the transaction is rolled back whole (a failed COMMIT too)."""
-        with self._write_lock:
+        with self._write_lock, self._whole_or_nothing():
             conn = self._writer
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException as exc:
-                if conn.in_transaction:
-                    with suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                if is_disk_full(exc):
-                    self._note_full()
-                    raise StorageFull("the disk is full: nothing was stored; send it again once space returns") from exc
-                raise
-            if self.full:
-                self.full = False
-                log.warning("storage: space is back, writes succeed again")
+            conn.execute("BEGIN IMMEDIATE")
+            yield conn
+            conn.execute("COMMIT")
+        if self.full:
+            self.full = False
+            log.warning("storage: space is back, writes succeed again")
 
-    def _note_full(self) -> None:
-        if not self.full:  # one line per episode, not one per refused request
-            self.full = True
-            log.error("storage: the disk holding %s is full; writes are refused (507) until space returns",
-                      self.path)
+    @contextmanager
+    def _whole_or_nothing(self) -> Iterator[None]:
+        """Under the write lock: a failure rolls the writer's transaction back whole (a failed
+        COMMIT too), and a full disk becomes StorageFull, logged once per episode."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._writer.in_transaction:
+                with suppress(sqlite3.Error):
+                    self._writer.execute("ROLLBACK")
+            if is_disk_full(exc):
+                if not self.full:  # one line per episode, not one per refused request
+                    self.full = True
+                    log.error("storage: the disk holding %s is full; writes are refused (507) until space returns",
+                              self.path)
+                raise StorageFull("the disk is full: nothing was stored; send it again once space returns") from exc
+            raise
 
     def incremental_vacuum(self, pages: int) -> None:
         """Give up to `pages` free pages back to the file system, in one short write transaction.
         (executescript: the sqlite3 module's execute steps the pragma once, freeing one page.)"""
-        with self._write_lock:
-            try:
-                self._writer.executescript(f"BEGIN IMMEDIATE; PRAGMA incremental_vacuum({int(pages)}); COMMIT;")
-            except BaseException as exc:
-                if self._writer.in_transaction:
-                    with suppress(sqlite3.Error):
-                        self._writer.execute("ROLLBACK")
-                if is_disk_full(exc):
-                    raise StorageFull("the disk is full") from exc
-                raise
+        with self._write_lock, self._whole_or_nothing():
+            self._writer.executescript(f"BEGIN IMMEDIATE; PRAGMA incremental_vacuum({int(pages)}); COMMIT;")
 
     def checkpoint_wal(self) -> None:
         """Copy the write-ahead log into the database and truncate it."""

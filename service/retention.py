@@ -23,12 +23,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .db import Database
+from .db import INCREMENTAL, Database
 
 log = logging.getLogger("aser.retention")
 
 PURGE_BATCH = 500  # rows per transaction
-INCREMENTAL = 2  # PRAGMA auto_vacuum's value for incremental
 VACUUM_PAGES = 256  # pages given back per transaction
 
 
@@ -56,8 +55,9 @@ def database_bytes(db: Database) -> int:
 
 
 class Retention:
-    def __init__(self, db: Database, policy: RetentionPolicy, every_s: float, on_run=None):
+    def __init__(self, db: Database, policy: RetentionPolicy, every_s: float, checkpointed_upto, on_run=None):
         self.db, self.policy, self.every_s = db, policy, every_s
+        self.checkpointed_upto = checkpointed_upto  # () -> the last committed checkpoint's trained_upto
         self.totals = RetentionTotals()
         self.on_run = on_run  # called with the figures of each run (metrics)
         self._stop = threading.Event()
@@ -83,7 +83,7 @@ class Retention:
         """One pass of the three steps; returns what it did."""
         now = time.time() if now is None else now
         before = database_bytes(self.db)
-        upto = self._trained_upto()
+        upto = self.checkpointed_upto()
         dropped = self._drop_pixels(upto, "received < ?", (now - self.policy.pixels_s,))
         if self.policy.max_bytes:
             dropped += self._drop_pixels_over_cap(upto)
@@ -97,11 +97,6 @@ class Retention:
         if self.on_run is not None:
             self.on_run(done)
         return done
-
-    def _trained_upto(self) -> int:
-        with self.db.read() as conn:
-            row = conn.execute("SELECT trained_upto FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
-        return row["trained_upto"] if row else 0
 
     def _drop_pixels(self, upto: int, condition: str, args: tuple, limit: int | None = None) -> int:
         """Drop the image of trained samples matching `condition`, oldest first, in batches. A row

@@ -35,7 +35,8 @@ class Runtime:
         batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
                                  settings.predict_max_batch, on_batch=metrics.predict_batch.observe)
         policy = RetentionPolicy(settings.retain_pixels_s, int(settings.retain_max_mb * 2**20), settings.retain_ids_s)
-        retention = Retention(db, policy, settings.retain_every_s, on_run=metrics.observe_retention)
+        retention = Retention(db, policy, settings.retain_every_s, worker.checkpoints.trained_upto,
+                              on_run=metrics.observe_retention)
         retention.start()
         return cls(settings, metrics, db, store, worker, batcher, retention)
 

@@ -18,11 +18,7 @@ import torch
 from clients.api import ServiceClient
 
 from .test_online import two_classes
-from .test_service import Server
-
-
-def status(server) -> dict:
-    return httpx.get(f"{server.url}/status").json()
+from .test_service import Server, status
 
 
 def log_digest(data_dir) -> tuple[int, str]:

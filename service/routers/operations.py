@@ -97,11 +97,12 @@ def status(rt: Runtime) -> dict:
     p = worker.predictor
     classes = store.classes()
     n_quarantined, recent = store.quarantined()
+    backlog = store.pending(p.trained_upto)
     return {
         "samples_received": store.received(),
         "samples_trained": p.samples_trained,
         "trained_upto": p.trained_upto,
-        "backlog": store.pending(p.trained_upto),
+        "backlog": backlog,
         "classes": [c for c in classes if c is not None],
         "online": worker.online.summary(classes),
         "buffer": by_label(classes, worker.memory.class_counts()),
@@ -119,7 +120,7 @@ def status(rt: Runtime) -> dict:
                    "recent_quarantine": recent},
         "error": None if worker.error is None else repr(worker.error),
         "device": worker.device,
-        "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": store.pending(p.trained_upto),
+        "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": backlog,
                 "max_lag_s": rt.settings.max_lag_s, "samples_skipped": p.samples_skipped,
                 "rehearsal_steps": p.rehearsal_steps},
         "storage": storage(rt),
