@@ -9,6 +9,8 @@ import contextlib
 import hashlib
 import json
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 
@@ -151,3 +153,27 @@ def test_the_realtime_protocol_is_reproducible_and_a_fast_stream_outruns_the_lea
     assert bounded["trained"] + bounded["skipped"] + bounded["unseen"] == 1000
     idle = realtime_run(tmp_path, cache_dir, "--stream-rate", "0.5x", "--idle-rehearsal")["realtime"]
     assert idle["trained_share"] >= 0.99 and idle["rehearsal_steps"] > 10 and idle["unseen"] <= 10
+
+
+
+def test_calibrate_only_writes_the_cost_model_in_cpu_seconds_with_its_command(tmp_path, cache_dir):
+    from clients.bench.benchmark import build_parser, main
+    from clients.bench.realtime import configuration_key
+
+    from .test_resume import ROOT, run_args
+
+    costs = tmp_path / "costs.json"
+    argv = ["run", *run_args(cache_dir, "sv-upd", "--loss", "ace", "--cost-model", str(costs), "--calibrate-only")]
+    done = subprocess.run([sys.executable, "-m", "clients.bench.benchmark", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=True)
+    printed = json.loads(done.stdout)
+    models = json.loads(costs.read_text())
+    torch.set_num_threads(1)  # as the run's --threads 1: part of the key
+    plain = configuration_key(build_parser().parse_args(["run", *run_args(cache_dir, "er")]))
+    assert set(models) == {configuration_key(build_parser().parse_args(argv)), plain}
+    for model in models.values():
+        assert model["clock"] == "process CPU time" and "--calibrate-only" in model["command"]
+        assert 0 < model["skip_s_per_sample"] < model["step_s"] and model["rehearse_s"] > 0
+    assert printed["stream_rate"] == 10 / models[plain]["step_s"]  # 1x: plain ER's throughput, b = 10
+    assert main(argv) == 0  # kept: a second call calibrates nothing and changes nothing
+    assert json.loads(costs.read_text()) == models

@@ -120,13 +120,7 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
     device = resolve_device(args.device)
     torch.manual_seed(seed)
     tasks = data.tasks(args.tasks)
-    costs = cost_model(args, lambda: build_learner(args, data, device, 0), data)
-    rate = args.stream_rate
-    if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
-        er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
-                                   "augment": False, "ema": None})
-        rate = float(rate[:-1]) * args.batch_size / cost_model(er, lambda: build_learner(er, data, device, 0),
-                                                               data)["step_s"]
+    costs, rate = stream_costs(args, data, device)
     learner = build_learner(args, data, device, seed)
     stream = Stream(data, tasks, args.batch_size, torch.Generator().manual_seed(seed), float(rate))
     run = {"matrix": [], "ncm_matrix": [], "trained_matrix": [], "replay_share": [], "resumed_at": [],
@@ -150,6 +144,18 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
                           "rehearsal_share": args.rehearsal_share, "cost_model": costs, **counts,
                           **{f"{k}_share": round(counts[k] / stream.n, 4) for k in ("trained", "skipped", "unseen")}}
     return result
+
+
+def stream_costs(args, data: ImageDataset, device: torch.device) -> tuple[dict, float]:
+    """The configuration's cost model and the stream's rate in samples/s (calibrating what is absent)."""
+    costs = cost_model(args, lambda: build_learner(args, data, device, 0), data)
+    rate = args.stream_rate
+    if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
+        er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
+                                   "augment": False, "ema": None})
+        rate = float(rate[:-1]) * args.batch_size / cost_model(er, lambda: build_learner(er, data, device, 0),
+                                                               data)["step_s"]
+    return costs, float(rate)
 
 
 def _observed_accuracy(run: dict, per_task: bool) -> str:
@@ -295,6 +301,11 @@ def cmd_run(args) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.calibrate_only:
+        args.stream_rate = args.stream_rate or "1x"
+        costs, rate = stream_costs(args, data, resolve_device(args.device))
+        print(json.dumps({**costs, "stream_rate": rate}, indent=2))
+        return 0
     for seed in args.seed:
         checkpoint = output_path(args.checkpoint, seed, len(args.seed) > 1) if args.checkpoint else None
         try:
@@ -381,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cost-model", default="results/realtime/cost-model.json",
                      help="with --stream-rate: seconds per step, skip and rehearsal per configuration (calibrated "
                           "once on this machine and kept here)")
+    run.add_argument("--calibrate-only", action="store_true",
+                     help="with --stream-rate: calibrate the cost model (this configuration's and plain ER's) and stop")
     run.add_argument("--exclude-current-task", action="store_true",
                      help="the appendix's retrieval trick: never replay samples of the current task")
     run.add_argument("--one-class-batches", action="store_true",

@@ -21,7 +21,9 @@ has the shares of the stream trained, skipped and unseen, and the rehearsal step
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +40,12 @@ def configuration_key(args) -> str:
 
 
 def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> dict:
-    """Median seconds of a stream step, a sample passed through and a rehearsal step, with a full
-    memory of real training images (the same learner kind as the run, seed 0)."""
+    """Median CPU seconds of a stream step, a sample passed through and a rehearsal step, with a
+    full memory of real training images (the same learner kind as the run, seed 0).
+
+    CPU time of the process, not wall time: the cost of the work itself, whatever else the machine
+    runs beside the calibration (a sweep on the other cores). On one thread the two agree on an
+    idle machine; on several, CPU time counts every thread's share."""
     learner = build()
     x, y = data.train_x, data.train_y
     order = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))
@@ -52,9 +58,9 @@ def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> 
     def median_seconds(fn, n):
         times = []
         for _ in range(n):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(time.process_time() - t0)
         return statistics.median(times)
 
     cursor = [seen]
@@ -68,7 +74,8 @@ def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> 
     skip = median_seconds(lambda: learner.pass_through(*next_batch(CATCH_UP_CHUNK)), max(3, rounds // 10))
     rehearse = median_seconds(learner.rehearse, rounds) if getattr(learner, "buffer", None) is not None else step
     return {"step_s": step, "skip_s_per_sample": skip / CATCH_UP_CHUNK, "rehearse_s": rehearse,
-            "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "clock": "process CPU time", "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "python -m clients.bench.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
 
 
 def cost_model(args, build, data) -> dict:
