@@ -54,6 +54,15 @@ class CheckpointStore:
             row = conn.execute("SELECT * FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
         return dict(row) if row else None
 
+    def saved_identity(self) -> dict[str, str] | None:
+        """The settings the last committed checkpoint was trained under (None: no checkpoint, or one
+        from before they were saved)."""
+        row = self.latest()
+        if row is None or not (self.directory / row["file"]).exists():
+            return None
+        state = torch.load(self.directory / row["file"], weights_only=True, map_location="cpu")
+        return state.get("service_extra", {}).get("identity")
+
     def save(self, learner: ContinualLearner, trained_upto: int, extra: dict | None = None) -> int:
         """Persist the lineage (and `extra`, the service's own state of the same moment); returns the
         checkpoint id once committed."""

@@ -18,8 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, TypeAdapter
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# the settings that decide how a lineage trains (its checkpoints' identity)
+LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations")
 
 
 class Settings(BaseSettings):
@@ -158,6 +161,33 @@ class Settings(BaseSettings):
         chosen = {"method": self.method, **self.replay_objective(), **training}
         return {f"ASER_{k.removesuffix('_decay').upper()}": str(v) if not isinstance(v, str) else v
                 for k, v in chosen.items()}
+
+    def follow_lineage(self, identity: dict[str, str] | None) -> dict[str, object]:
+        """Take the training settings of the lineage already in the data directory (its checkpoint's
+        `learner_identity`) wherever this configuration leaves them unset: a data directory made
+        under an older release's defaults goes on as it was trained. Set ones stay, and a restore
+        under them is refused as before. Returns the settings taken.
+
+        >>> s = Settings(loss="ace")
+        >>> s.follow_lineage({"ASER_METHOD": "er", "ASER_STEP": "joint", "ASER_LOSS": "ce"})
+        {'method': 'er'}
+        >>> s.method, s.loss, s.learner_identity()
+        ('er', 'ace', {'ASER_METHOD': 'er', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace'})
+        """
+        if not identity:  # no checkpoint yet, or one from before identities were saved
+            return {}
+        # the identity names the stronger learner's options only where they were on
+        saved = {"augment": "False", "iterations": "1", **{k.removeprefix("ASER_").lower(): v
+                                                           for k, v in identity.items()}}
+        taken = {}
+        for name in LINEAGE_SETTINGS:
+            if name in self.model_fields_set or name not in saved:
+                continue
+            value = TypeAdapter(type(self).model_fields[name].annotation).validate_python(saved[name])
+            if value != getattr(self, name):
+                taken[name] = value
+                setattr(self, name, value)
+        return taken
 
     @property
     def database_path(self) -> Path:

@@ -125,7 +125,8 @@ class LearnerWorker:
         self.store = store
         self.device = resolve_device(settings.device)
         self.image_shape = (3, settings.image_size, settings.image_size)
-        self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints", settings.learner_identity())
+        self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self._follow_lineage()
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
         self.history = History(db)
@@ -161,6 +162,16 @@ class LearnerWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def _follow_lineage(self) -> None:
+        """Go on as the data directory's lineage was trained where the settings leave it open (an
+        upgrade whose defaults differ), and check a restore against the result."""
+        taken = self.settings.follow_lineage(self.checkpoints.saved_identity())
+        if taken:
+            log.warning("the data directory's lineage was trained with %s, which this configuration does not set: "
+                        "going on with them (set them to choose otherwise; another lineage needs an empty data "
+                        "directory)", " ".join(f"ASER_{k.upper()}={v}" for k, v in taken.items()))
+        self.checkpoints.identity = self.settings.learner_identity()
 
     def _build_learner(self) -> ContinualLearner:
         s = self.settings

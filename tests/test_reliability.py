@@ -271,6 +271,36 @@ def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp
     assert worker.checkpoints.latest()["trained_upto"] == 10  # nothing changed
 
 
+def test_a_data_directory_goes_on_as_its_lineage_was_trained_where_the_settings_leave_it_open(tmp_path, cifar10_slice):
+    """An upgrade whose defaults train otherwise (a method, a loss, the stronger learner's options)
+    does not stop a data directory made under the old ones: the worker, and the real service, take
+    the lineage's training settings where none are set, say so, and keep learning on it."""
+    old = {"method": "er", "loss": "ce", "augment": False, "iterations": 1}  # explicit: as an old release made it
+    worker = worker_for(tmp_path, cifar10_slice, 10, checkpoint_every_steps=1, **old)
+    worker.start()
+    until(lambda: worker.predictor.samples_trained == 10)
+    worker.stop()
+    left_open = Settings(data_dir=tmp_path, mem_size=30, batch_size=5, max_batch_wait_s=0, snapshot_every_steps=0)
+    again = LearnerWorker(left_open, worker.checkpoints.db, worker.store)
+    assert {k: getattr(left_open, k) for k in old} == old and again.trained_upto == 10
+    assert again.learner.objective.loss == "ce" and again.learner.augment is None and again.learner.iterations == 1
+    store = again.store
+    names = cifar10_slice.class_names
+    store.append([NewSample(names[int(cifar10_slice.train_y[i])], pixels(cifar10_slice, i)) for i in range(10, 15)], 10)
+    again.start()
+    until(lambda: again.predictor.samples_trained == 15)
+    again.stop()
+
+    s = Server(tmp_path, mem_size=30, batch_size=5).start()  # neither method, loss nor options set
+    try:
+        st = status(s)
+        assert st["method"] == "er" and st["config"]["loss"] == "ce" and "augment" not in st["config"]
+        assert st["samples_trained"] == 15
+    finally:
+        s.stop()
+    assert "lineage was trained with ASER_METHOD=er" in s.log_path.read_text()
+
+
 def test_a_sample_that_always_fails_is_quarantined(tmp_path, jpegs):
     """A stored image that cannot be read (corrupted on disk) fails its batch every time: after
     two failures each sample of the batch is tried alone, the bad one is quarantined, the others
