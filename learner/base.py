@@ -276,4 +276,4 @@ class ContinualLearner:
         self.rehearsal_steps = state.get("rehearsal_steps", 0)
         self.forgotten = set(state.get("forgotten", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights
-            self.ema.load_state_dict(state.get("ema", self.model.state_dict()), self.model)
+            self.ema.load_state_dict(state.get("ema"), self.model)

@@ -1,16 +1,21 @@
-"""An exponential moving average of a model's weights, for serving: after every SGD step
-theta_ema <- decay * theta_ema + (1 - decay) * theta, over the parameters and the BatchNorm
-running statistics alike (the average model is evaluated with its own statistics). Training
-never reads it; predictions and evaluation may (`ContinualLearner(ema_decay=...)`).
+"""An exponential moving average of a model's weights, for serving: after the t-th SGD step
+theta_ema <- (1 - w_t) * theta_ema + w_t * theta with w_t = max(1 - decay, 1 / t), over the
+parameters and the BatchNorm running statistics alike (the average model is evaluated with its own
+statistics). Until there are 1 / (1 - decay) steps it is the plain mean of the weights so far, so a
+young model is never served its random start (a service's first minutes); from then on the
+moving average. Training never reads it; predictions and evaluation may
+(`ContinualLearner(ema_decay=...)`).
 
 >>> import torch
 >>> net = torch.nn.Linear(1, 1, bias=False)
->>> with torch.no_grad(): _ = net.weight.fill_(1.0)
 >>> avg = WeightAverage(net, decay=0.5)
->>> with torch.no_grad(): _ = net.weight.fill_(3.0)
->>> avg.update(net)
->>> avg.model.weight.item()  # 0.5 * 1 + 0.5 * 3
-2.0
+>>> for w in (3.0, 5.0, 9.0):
+...     with torch.no_grad(): _ = net.weight.fill_(w)
+...     avg.update(net)
+...     print(avg.model.weight.item())  # 3; the mean of 3 and 5; then 0.5 * 4 + 0.5 * 9
+3.0
+4.0
+6.5
 """
 
 from __future__ import annotations
@@ -21,19 +26,24 @@ import torch
 from torch import nn
 
 
+WARMED_UP = 2**31  # updates enough for any decay to be past its warm-up
+
+
 class WeightAverage:
     def __init__(self, model: nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"the EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
+        self.updates = 0
         self.model = copy.deepcopy(model).eval()
         self.model.requires_grad_(False)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """One step of the average towards `model`'s current weights."""
+        self.updates += 1
         mine, theirs = self._floats(self.model), self._floats(model)
-        torch._foreach_lerp_(mine, theirs, 1.0 - self.decay)
+        torch._foreach_lerp_(mine, theirs, max(1.0 - self.decay, 1.0 / self.updates))
         for name, buf in model.named_buffers():  # integer buffers (BatchNorm's step count) are copied
             if not buf.is_floating_point():
                 self.model.get_buffer(name).copy_(buf)
@@ -52,8 +62,17 @@ class WeightAverage:
         return [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
 
     def state_dict(self) -> dict:
-        return self.model.state_dict()
+        return {"weights": self.model.state_dict(), "updates": self.updates}
 
-    def load_state_dict(self, state: dict, model: nn.Module) -> None:
+    def load_state_dict(self, state: dict | None, model: nn.Module) -> None:
+        """`state` None: a lineage that takes up the average starts it from `model`'s weights."""
         self.grow(model)
-        self.model.load_state_dict(state)
+        if state is None:
+            self.model.load_state_dict(model.state_dict())
+            self.updates = 0
+        elif "weights" in state:
+            self.model.load_state_dict(state["weights"])
+            self.updates = state["updates"]
+        else:  # saved before the warm-up existed: its average was a moving one from the start
+            self.model.load_state_dict(state)
+            self.updates = WARMED_UP

@@ -74,10 +74,11 @@ def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):
     learner = make_learner("er", 10, mem_size=50, ema_decay=decay, seed=2)
     average = {k: v.clone() for k, v in learner.model.state_dict().items()}
     x, y = cifar10_slice.train_x, cifar10_slice.train_y
-    for i in range(0, 80, 10):
+    for t, i in enumerate(range(0, 160, 10), start=1):  # the plain mean for 10 steps, then the moving average
         learner.observe(x[i:i + 10], y[i:i + 10])
+        w = max(1 - decay, 1 / t)
         for k, v in learner.model.state_dict().items():
-            average[k] = decay * average[k] + (1 - decay) * v if v.is_floating_point() else v.clone()
+            average[k] = (1 - w) * average[k] + w * v if v.is_floating_point() else v.clone()
     ema = learner.ema.model.state_dict()
     assert all(torch.allclose(ema[k].float(), average[k].float(), atol=1e-6) for k in average)
     assert not torch.allclose(ema["conv1.weight"], learner.model.state_dict()["conv1.weight"])
@@ -85,6 +86,22 @@ def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):
     served = learner.ema.model.eval()(learner.to_input(probe))
     assert torch.allclose(learner.logits(probe), served, atol=1e-4)
     assert not torch.allclose(learner.extract(probe), learner.serving_features(probe), atol=1e-4)
+
+
+def test_an_average_saved_before_the_warm_up_goes_on_as_a_moving_one(cifar10_slice):
+    """States written before the average's warm-up hold its weights alone (checkpoints, resumable
+    runs): they load as they were, and the average goes on at its decay."""
+    from learner.ema import WARMED_UP
+
+    learner = make_learner("er", 10, mem_size=50, ema_decay=0.9, seed=2)
+    learner.observe(cifar10_slice.train_x[:10], cifar10_slice.train_y[:10])
+    state = learner.state_dict()
+    old = {**state, "ema": state["ema"]["weights"]}
+    again = make_learner("er", 10, mem_size=50, ema_decay=0.9, seed=2)
+    again.load_state_dict(old)
+    assert again.ema.updates == WARMED_UP and learner.ema.updates == 1
+    assert all(torch.equal(a, b) for a, b in zip(again.ema.model.state_dict().values(),
+                                                  learner.ema.model.state_dict().values()))
 
 
 def test_the_average_follows_a_growing_head_and_a_forgotten_class(cifar10_slice):
