@@ -10,7 +10,10 @@ ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
 >>> Settings(method="ewc", loss="ce").check_learner()  # what EWC minimises anyway
 >>> Settings(method="ewc", loss="ace").check_learner()
 Traceback (most recent call last):
-ValueError: ASER_STEP and ASER_LOSS apply to the replay methods, not ewc
+ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, not ewc
+>>> Settings(method="ewc", augment=True).check_learner()
+Traceback (most recent call last):
+ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, not ewc
 """
 
 from __future__ import annotations
@@ -124,9 +127,11 @@ class Settings(BaseSettings):
 
         if self.method not in METHODS:
             raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
-        chosen = {f: getattr(self, f) for f in ("step", "loss") if f in self.model_fields_set}
-        if self.method not in REPLAY_METHODS and chosen.items() - {("step", "joint"), ("loss", "ce")}:
-            raise ValueError(f"ASER_STEP and ASER_LOSS apply to the replay methods, not {self.method}")
+        chosen = {f: getattr(self, f) for f in ("step", "loss", "augment", "iterations") if f in self.model_fields_set}
+        neutral = {("step", "joint"), ("loss", "ce"), ("augment", False), ("iterations", 1)}
+        if self.method not in REPLAY_METHODS and chosen.items() - neutral:
+            raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, "
+                             f"not {self.method}")
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")
@@ -139,12 +144,19 @@ class Settings(BaseSettings):
         return {"step": self.step, "loss": self.loss} if self.method in REPLAY_METHODS else {}
 
     def stronger_learner(self) -> dict:
-        """ASER_AUGMENT, ASER_ITERATIONS and ASER_EMA for the learner, where they are set.
+        """ASER_AUGMENT, ASER_ITERATIONS and ASER_EMA for the learner, where they are on (the first
+        two for the replay methods; the average serves any method).
 
         >>> Settings(augment=True, ema=0.99).stronger_learner()
         {'augment': True, 'ema_decay': 0.99}
+        >>> Settings(method="ewc", ema=0.99).stronger_learner()
+        {'ema_decay': 0.99}
         """
-        chosen = {"augment": self.augment or None, "iterations": self.iterations if self.iterations != 1 else None,
+        from learner.methods import REPLAY_METHODS
+
+        replay = self.method in REPLAY_METHODS
+        chosen = {"augment": (replay and self.augment) or None,
+                  "iterations": self.iterations if replay and self.iterations != 1 else None,
                   "ema_decay": self.ema or None}
         return {k: v for k, v in chosen.items() if v is not None}
 
