@@ -155,7 +155,6 @@ def test_the_realtime_protocol_is_reproducible_and_a_fast_stream_outruns_the_lea
     assert idle["trained_share"] >= 0.99 and idle["rehearsal_steps"] > 10 and idle["unseen"] <= 10
 
 
-
 def test_calibrate_only_writes_the_cost_model_in_cpu_seconds_with_its_command(tmp_path, cache_dir):
     from clients.bench.benchmark import build_parser, main
     from clients.bench.realtime import configuration_key

@@ -148,13 +148,13 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
 
 def stream_costs(args, data: ImageDataset, device: torch.device) -> tuple[dict, float]:
     """The configuration's cost model and the stream's rate in samples/s (calibrating what is absent)."""
-    costs = cost_model(args, lambda: build_learner(args, data, device, 0), data)
+    costs = cost_model(args, lambda: build_learner(args, data, device, 0), data, _command())
     rate = args.stream_rate
     if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
         er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
                                    "augment": False, "ema": None})
         rate = float(rate[:-1]) * args.batch_size / cost_model(er, lambda: build_learner(er, data, device, 0),
-                                                               data)["step_s"]
+                                                               data, _command())["step_s"]
     return costs, float(rate)
 
 

@@ -21,9 +21,7 @@ has the shares of the stream trained, skipped and unseen, and the rehearsal step
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -74,17 +72,17 @@ def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> 
     skip = median_seconds(lambda: learner.pass_through(*next_batch(CATCH_UP_CHUNK)), max(3, rounds // 10))
     rehearse = median_seconds(learner.rehearse, rounds) if getattr(learner, "buffer", None) is not None else step
     return {"step_s": step, "skip_s_per_sample": skip / CATCH_UP_CHUNK, "rehearse_s": rehearse,
-            "clock": "process CPU time", "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": "python -m clients.bench.benchmark " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+            "clock": "process CPU time", "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def cost_model(args, build, data) -> dict:
-    """The configuration's costs from `--cost-model` (calibrated and added to it if absent)."""
+def cost_model(args, build, data, command: str) -> dict:
+    """The configuration's costs from `--cost-model` (calibrated and added to it, with the
+    `command` that did it, if absent)."""
     path = Path(args.cost_model)
     models = json.loads(path.read_text()) if path.exists() else {}
     key = configuration_key(args)
     if key not in models:
-        models[key] = calibrate(build, data, args.batch_size, args.mem_size)
+        models[key] = {**calibrate(build, data, args.batch_size, args.mem_size), "command": command}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(models, indent=2) + "\n")
     return {"key": key, **models[key]}
