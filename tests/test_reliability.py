@@ -253,14 +253,14 @@ def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar
 
 
 def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp_path, cifar10_slice):
-    """A data directory trained as ER (with the default loss, ACE) goes on neither as ASER_mu nor
-    as ER with cross-entropy: the worker, and the real service at start-up, say which settings
+    """A data directory trained as ER (with its defaults: ACE, augmentation, 2 iterations) goes on
+    neither as ASER_mu nor as ER with cross-entropy: the worker, and the real service at start-up, say which settings
     made it."""
     worker = worker_for(tmp_path, cifar10_slice, 10, checkpoint_every_steps=1)
     worker.start()
     until(lambda: worker.predictor.samples_trained == 10)
     worker.stop()
-    made_by = "ASER_METHOD=er ASER_STEP=joint ASER_LOSS=ace"
+    made_by = "ASER_METHOD=er ASER_STEP=joint ASER_LOSS=ace ASER_AUGMENT=True ASER_ITERATIONS=2"  # er's defaults
     for other in ({"method": "aser-mu"}, {"loss": "ce"}):
         with pytest.raises(IncompatibleCheckpoint, match=made_by):
             LearnerWorker(worker.settings.model_copy(update=other), worker.checkpoints.db, worker.store)

@@ -185,7 +185,8 @@ def test_the_service_answers_with_the_ncm_head_and_its_snapshot_alike(tmp_path):
 
 
 def test_a_data_directory_keeps_its_lineage_under_the_new_options(tmp_path):
-    """Made under the defaults: it goes on with a moving-average head (serving only), and refuses
+    """Made by ER-ACE alone (the options off, as before they existed): it goes on with a
+    moving-average head (serving only) and with the options left unset (its lineage's), and refuses
     to train its lineage on with more iterations, naming the setting."""
     import httpx
 
@@ -193,14 +194,16 @@ def test_a_data_directory_keeps_its_lineage_under_the_new_options(tmp_path):
     from .test_service import Server, b64, wait_trained
 
     data_dir = tmp_path / "svc"
-    server = Server(data_dir, method="er").start()
+    server = Server(data_dir, method="er", augment="false", iterations=1, ema=0).start()
     samples = two_classes(10)
     httpx.post(f"{server.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in samples]})
     wait_trained(server, len(samples))
     server.stop()
     averaged = Server(data_dir, method="er", ema=0.99).start()
     try:
-        assert httpx.get(f"{averaged.url}/status").json()["samples_trained"] == len(samples)
+        st = httpx.get(f"{averaged.url}/status").json()
+        assert st["samples_trained"] == len(samples)
+        assert "augment" not in st["config"] and "iterations" not in st["config"] and st["config"]["ema_decay"] == 0.99
     finally:
         averaged.stop()
     with pytest.raises(RuntimeError, match="ASER_ITERATIONS"):
