@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations")
 # The stronger learner's options where unset: on where the evidence earned it. ER-ACE with all three
 # gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired seeds, 2.1x ER's step);
-# under the KNN-SV memory they add +1.17 +- 3.77 (4 seeds), no default (docs/results.md).
+# under the KNN-SV memory they add +1.41 +- 2.64 (5 seeds), no default (docs/results.md).
 OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0}
 TUNED_DEFAULTS = {"er": {"augment": True, "iterations": 2, "ema": 0.99}}
 
