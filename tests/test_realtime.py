@@ -148,11 +148,30 @@ def test_the_realtime_protocol_is_reproducible_and_a_fast_stream_outruns_the_lea
     rt = queue["realtime"]
     assert rt["stream_rate"] == 400.0 and rt["skipped"] == 0 and 0.2 <= rt["trained_share"] <= 0.3
     assert len(queue["anytime_accuracy"]) == 10 and len(queue["accuracy_matrix"]) == 5
-    bounded = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5")["realtime"]
+    bounded_run = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5")
+    bounded = bounded_run["realtime"]
     assert bounded["skipped"] > 0 and bounded["unseen_share"] < rt["unseen_share"]
     assert bounded["trained"] + bounded["skipped"] + bounded["unseen"] == 1000
+    assert_the_table_reports(queue, bounded_run)
     idle = realtime_run(tmp_path, cache_dir, "--stream-rate", "0.5x", "--idle-rehearsal")["realtime"]
     assert idle["trained_share"] >= 0.99 and idle["rehearsal_steps"] > 10 and idle["unseen"] <= 10
+
+
+def assert_the_table_reports(queue: dict, bounded: dict) -> None:
+    """`table` shows a real-time run's shares of the stream and anytime accuracy, and `--compare`
+    the anytime accuracy's paired difference."""
+    from clients.bench.results import comparisons, group, run_label, summary_table
+
+    groups = group([queue, bounded])
+    lines = summary_table(groups).splitlines()
+    headers = [h.strip() for h in lines[0].split("|")]
+    row = next([c.strip() for c in line.split("|")] for line in lines if f" {run_label(bounded)} " in line)
+    cell = dict(zip(headers, row))
+    assert cell["skipped (%)"] == f"{100 * bounded['realtime']['skipped_share']:.1f}"
+    assert cell["anytime acc. (%)"] == f"{bounded['average_anytime_accuracy']:.1f}"
+    compared = comparisons(groups, [(run_label(queue), run_label(bounded))])[0]["anytime"]
+    expected = bounded["average_anytime_accuracy"] - queue["average_anytime_accuracy"]
+    assert compared["seeds"] == 1 and abs(compared["mean"] - expected) < 1e-9
 
 
 def test_calibrate_only_writes_the_cost_model_in_cpu_seconds_with_its_command(tmp_path, cache_dir):

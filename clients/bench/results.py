@@ -126,6 +126,24 @@ SUMMARY_COLUMNS = (  # header, value of one run (None where a run lacks it)
 )
 
 
+def stream_share(key: str):
+    """A real-time run's share of the stream `key` (trained, skipped, unseen at its end), in %.
+
+    >>> stream_share("skipped")({"realtime": {"skipped_share": 0.27}}), stream_share("skipped")({})
+    (27.0, None)
+    """
+    return lambda r: 100 * r["realtime"][f"{key}_share"] if r.get("realtime") else None
+
+
+REALTIME_COLUMNS = (  # the real-time protocol's: accuracy along the stream, and where the stream went
+    ("anytime acc. (%)", lambda r: r.get("average_anytime_accuracy")),
+    ("trained (%)", stream_share("trained")),
+    ("skipped (%)", stream_share("skipped")),
+    ("unseen at the end (%)", stream_share("unseen")),
+    ("rehearsal steps", lambda r: r["realtime"]["rehearsal_steps"] if r.get("realtime") else None),
+)
+
+
 def load_paper(path: Path) -> dict:
     """A published table (e.g. `results/paper-table1.toml`): dataset -> method -> A_T as printed,
     one string for every M or a table of them by M."""
@@ -151,7 +169,9 @@ def paper_value(paper: dict, dataset: str, mem: int, label: str) -> str:
 def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) -> str:
     """One row per configuration; with `paper` (see `load_paper`) the published A_T beside ours."""
     order = {m: i for i, m in enumerate(METHODS)}
-    headers = [h for h, _ in SUMMARY_COLUMNS]
+    realtime = any(r.get("realtime") for rs in groups.values() for r in rs)
+    columns = SUMMARY_COLUMNS + (REALTIME_COLUMNS if realtime else ())
+    headers = [h for h, _ in columns]
     if paper:  # beside our A_T
         headers.insert(1, "paper's A_T (%)")
     lines = [f"| dataset | M | configuration | seeds | {' | '.join(headers)} | train s / run |",
@@ -164,7 +184,7 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
             return fmt(vs) + (f" (n={len(vs)})" if vs and len(vs) < len(rs) else "")
 
         secs = sum(r["train_seconds"] for r in rs) / len(rs)
-        cells = [cell(value) for _, value in SUMMARY_COLUMNS]
+        cells = [cell(value) for _, value in columns]
         if paper:
             cells.insert(1, paper_value(paper, dataset, mem, label) or "-")
         lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {' | '.join(cells)} | {secs:.0f} |")
@@ -173,6 +193,9 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
             "whose class is in the incoming batch, tasks 2..T.")
     if paper:
         note += " Paper's A_T: its Table 1, for the method with cross-entropy under either step."
+    if realtime:
+        note += (" Real time: anytime acc. is the accuracy on the classes seen so far at points along the stream; "
+                 "unseen at the end is the stream the learner had not reached when it ended (its lag).")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -202,6 +225,8 @@ def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -
                                                  by_seed(b_runs, "average_accuracy")),
                    "ncm": paired_difference(by_seed(a_runs, "average_accuracy_ncm"),
                                             by_seed(b_runs, "average_accuracy_ncm")),
+                   "anytime": paired_difference(by_seed(a_runs, "average_anytime_accuracy"),
+                                                by_seed(b_runs, "average_anytime_accuracy")),
                    "compute_ratio": compute_ratio(a_runs, b_runs)}
             out.append(row)
     return out
@@ -220,15 +245,17 @@ def compute_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
 
 
 def comparison_table(rows: list[dict]) -> str:
+    anytime = any(r.get("anytime", {}).get("seeds") for r in rows)  # real-time runs
     lines = ["| dataset | M | A | B | paired seeds | B − A: A_T (pts) | seeds A / B wins | B − A: NCM A_T (pts) "
-             "| B / A train time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             + ("| B − A: anytime acc. (pts) " if anytime else "") + "| B / A train time |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if anytime else "") + "---|"]
     for r in rows:
         acc, ncm = r["accuracy"], r["ncm"]
         ncm_cell = "n/a" if not ncm["seeds"] else _signed(ncm) + (
             f" (n={ncm['seeds']})" if ncm["seeds"] != acc["seeds"] else "")  # NCM only in newer runs
+        anytime_cell = (_signed(r["anytime"]) if r["anytime"]["seeds"] else "n/a") + " | " if anytime else ""
         lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {acc['seeds']} | "
-                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} | "
+                     f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} | {anytime_cell}"
                      f"{r['compute_ratio']:.2f}x |")
     return "\n".join(lines) + ("\n\nMean paired difference ± 95% paired t-interval over the seeds both ran; train time: "
                                "B's mean train seconds over A's on those seeds.\n")
