@@ -245,7 +245,7 @@ def compute_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
 
 
 def comparison_table(rows: list[dict]) -> str:
-    anytime = any(r.get("anytime", {}).get("seeds") for r in rows)  # real-time runs
+    anytime = any(r["anytime"]["seeds"] for r in rows)  # real-time runs
     lines = ["| dataset | M | A | B | paired seeds | B − A: A_T (pts) | seeds A / B wins | B − A: NCM A_T (pts) "
              + ("| B − A: anytime acc. (pts) " if anytime else "") + "| B / A train time |",
              "|---|---|---|---|---|---|---|---|" + ("---|" if anytime else "") + "---|"]
