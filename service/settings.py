@@ -135,7 +135,7 @@ class Settings(BaseSettings):
         if self.method not in METHODS:
             raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
         chosen = {f: getattr(self, f) for f in ("step", "loss", "augment", "iterations") if f in self.model_fields_set}
-        neutral = {("step", "joint"), ("loss", "ce"), ("augment", False), ("iterations", 1)}
+        neutral = {("step", "joint"), ("loss", "ce"), *OPTIONS_OFF.items()}
         if self.method not in REPLAY_METHODS and chosen.items() - neutral:
             raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, "
                              f"not {self.method}")
@@ -164,7 +164,7 @@ class Settings(BaseSettings):
         from learner.methods import REPLAY_METHODS
 
         replay = self.method in REPLAY_METHODS
-        augment, iterations, ema = (self.option(name) for name in OPTIONS_OFF)
+        augment, iterations, ema = self.option("augment"), self.option("iterations"), self.option("ema")
         chosen = {"augment": (replay and augment) or None,
                   "iterations": iterations if replay and iterations != 1 else None,
                   "ema_decay": ema or None}
@@ -210,8 +210,8 @@ class Settings(BaseSettings):
         if not identity:  # no checkpoint yet, or one from before identities were saved
             return {}
         # the identity names the stronger learner's options only where they were on
-        saved = {"augment": "False", "iterations": "1", **{k.removeprefix("ASER_").lower(): v
-                                                           for k, v in identity.items()}}
+        saved = {**{k: str(v) for k, v in OPTIONS_OFF.items()},
+                 **{k.removeprefix("ASER_").lower(): v for k, v in identity.items()}}
         taken = {}
         for name in LINEAGE_SETTINGS:
             if name in self.model_fields_set or name not in saved:
