@@ -62,7 +62,8 @@ class ContinualLearner:
         self.version = 0  # bumps with every weight change; names the weights features came from
         self.steps = 0
         self.samples_seen = 0
-        self.samples_skipped = 0  # passed through the memory without a gradient step (a stream too fast)
+        self.samples_skipped = 0  # not trained on: a stream too fast (`pass_through` and `skip`)
+        self.samples_thinned = 0  # of them, those that did not even reach the memory update (`skip`)
         self.rehearsal_steps = 0  # replay-only steps taken while the stream was idle
         self.current_task_classes: torch.Tensor | None = None
         self.forgotten: set[int] = set()  # classes removed on request: never predicted again
@@ -97,6 +98,14 @@ class ContinualLearner:
 
     def _pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         pass
+
+    def skip(self, labels: torch.Tensor) -> None:
+        """Count samples the learner has no time for, not even for the memory update (thinned by
+        `learner.catch_up`); their classes still get head rows."""
+        if labels.numel():
+            self.ensure_classes(int(labels.max()) + 1)
+        self.samples_skipped += labels.numel()
+        self.samples_thinned += labels.numel()
 
     def rehearse(self) -> dict | None:
         """One replay-only step from the memory (the stream is idle); None if there is nothing to
@@ -257,6 +266,7 @@ class ContinualLearner:
             "steps": self.steps,
             "samples_seen": self.samples_seen,
             "samples_skipped": self.samples_skipped,
+            "samples_thinned": self.samples_thinned,
             "rehearsal_steps": self.rehearsal_steps,
             "forgotten": sorted(self.forgotten),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
@@ -273,6 +283,7 @@ class ContinualLearner:
         self.steps = state["steps"]
         self.samples_seen = state["samples_seen"]
         self.samples_skipped = state.get("samples_skipped", 0)  # absent from states written before them
+        self.samples_thinned = state.get("samples_thinned", 0)
         self.rehearsal_steps = state.get("rehearsal_steps", 0)
         self.forgotten = set(state.get("forgotten", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights

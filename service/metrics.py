@@ -63,6 +63,8 @@ class Metrics:
                          "learned (0: none waiting)", registry=r)
         self.samples_skipped = Counter("aser_samples_skipped", "Samples that reached the memory without a gradient "
                                        "step, the worker being over ASER_MAX_LAG_S (this process)", registry=r)
+        self.samples_thinned = Counter("aser_samples_thinned", "Skipped samples that did not reach the memory update "
+                                       "either, its share of the worker's time being spent (this process)", registry=r)
         self.rehearsal_steps = Counter("aser_rehearsal_steps", "Replay-only steps taken while the stream was idle "
                                        "(this process)", registry=r)
         self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",

@@ -119,6 +119,7 @@ class HistoryPoint(BaseModel):
     memory: dict[str, int] = Field(description="replay memory: samples per class")
     lag_s: float | None = Field(None, description="age of the oldest sample not yet learned, at this point")
     samples_skipped: int | None = Field(None, description="samples skipped so far (over ASER_MAX_LAG_S)")
+    samples_thinned: int | None = Field(None, description="of them, those that did not reach the memory update")
     rehearsal_steps: int | None = Field(None, description="idle rehearsal steps so far")
     replayed_incoming_share: float | None = Field(
         None, description="% of the samples replayed since the previous point whose class was in the incoming batch "
@@ -135,7 +136,7 @@ class History:
             schema.executescript(SCHEMA)
             columns = schema["history"].columns_dict  # databases of earlier versions lack the later ones
             for name, kind in (("replayed_incoming_share", float), ("lag_s", float), ("samples_skipped", int),
-                               ("rehearsal_steps", int)):
+                               ("samples_thinned", int), ("rehearsal_steps", int)):
                 if name not in columns:
                     schema["history"].add_column(name, kind)
 

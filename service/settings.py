@@ -24,6 +24,10 @@ from typing import Literal
 from pydantic import Field, SecretStr, TypeAdapter
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from learner.catch_up import MEMORY_SHARE
+
+from .heap import TRIM_EVERY_S
+
 # the settings that decide how a lineage trains (its checkpoints' identity)
 LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations")
 # The stronger learner's options where unset: on where the evidence earned it. ER-ACE with all three
@@ -73,6 +77,8 @@ class Settings(BaseSettings):
     seed: int = 0
     max_batch_wait_s: float = Field(2.0, ge=0, description="train a partial batch once its oldest sample waited this long")
     checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
+    heap_trim_every_s: float = Field(TRIM_EVERY_S, ge=0, description="give the memory the heap freed back to the "
+                                     "system this often (glibc's malloc_trim; 0: never)")
     snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps and whenever "
                                       "the model has learned a new class (0: only on request)")
     predict_batch_wait_ms: float = Field(1.0, ge=0, le=1000, description="how long a prediction waits for "
@@ -87,6 +93,9 @@ class Settings(BaseSettings):
     max_lag_s: float = Field(900.0, ge=0, description="when the oldest untrained sample is older than this, samples "
                              "older than half of it pass through the memory without a gradient step (skipped), "
                              "so predictions are never further behind the stream (0: no bound, a queue)")
+    catch_up_memory_share: float = Field(MEMORY_SHARE, gt=0, le=1, description="over the lag bound, the most of the "
+                                         "worker's time the skipped samples' memory updates may take; beyond it a "
+                                         "random part of them skip the memory too (thinned; learner.catch_up)")
     idle_rehearsal: bool = Field(False, description="replay-only steps from the memory while no batch is due")
     idle_rehearsal_share: float = Field(0.5, gt=0, le=1, description="the most of the worker's time idle rehearsal "
                                         "may take (it pauses between its steps to stay under it)")

@@ -5,7 +5,8 @@ step (predictions never wait for training and never see a half-updated model).
 It starts from the last committed checkpoint and trains on every acknowledged sample after
 that checkpoint's `trained_upto`; work after the last checkpoint is simply redone, so every
 sample is in the persisted lineage exactly once. Over the lag bound (ASER_MAX_LAG_S) the oldest
-samples pass through the memory without a gradient step instead (skipped, not scored); while no
+samples pass through the memory without a gradient step instead (skipped, not scored; a part of
+them thinned where the memory update itself would take too long: `learner.catch_up`); while no
 batch is due it may rehearse from the memory (ASER_IDLE_REHEARSAL).
 
 It is supervised: a step that raises leaves the learner half-updated, so that learner is
@@ -30,12 +31,14 @@ import torch
 
 from learner import make_learner
 from learner.base import ContinualLearner
+from learner.catch_up import CHUNK, CatchUp
 from learner.model import scale_pixels
 from learner.ncm import ncm_head
 
 from .checkpoints import CheckpointStore
 from .db import Database
 from .errors import NoClassesYet
+from .heap import HeapTrimmer
 from .metrics import Metrics
 from .online import History, HistoryPoint, OnlineAccuracy
 from .settings import Settings
@@ -45,7 +48,6 @@ from .store import Forgotten, IngestLog, LogEntry, by_label, images_from_blobs
 log = logging.getLogger("aser.worker")
 
 SUSPECT_AFTER = 2  # failed steps a sample took part in before it is tried alone
-CATCH_UP_CHUNK = 100  # samples passed through the memory per skip, between two looks at the queue
 SET_ASIDE_AFTER = 3  # ... before its batch is quarantined even though each sample passes alone
 
 
@@ -62,6 +64,7 @@ class Predictor:
     samples_trained: int
     trained_upto: int
     samples_skipped: int = 0
+    samples_thinned: int = 0
     rehearsal_steps: int = 0
     normalize: bool = False  # the head takes unit-norm features (the NCM head)
 
@@ -74,7 +77,8 @@ class Predictor:
         n = min(len(classes), weight.shape[0])
         return cls(learner.inference_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
                    tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
-                   learner.samples_skipped, learner.rehearsal_steps, normalize=ncm is not None)
+                   learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps,
+                   normalize=ncm is not None)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -126,6 +130,7 @@ class LearnerWorker:
         self.device = resolve_device(settings.device)
         self.image_shape = (3, settings.image_size, settings.image_size)
         self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share) if settings.max_lag_s else None
         self._follow_lineage()
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
@@ -142,6 +147,7 @@ class LearnerWorker:
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
+        self.heap = HeapTrimmer(settings.heap_trim_every_s) if settings.heap_trim_every_s else None
         self.error: BaseException | None = None  # set only if the thread itself ends abnormally
         self._load()
 
@@ -205,6 +211,8 @@ class LearnerWorker:
                 try:
                     self._serve_forget_requests()
                     self._serve_snapshot_requests()
+                    if self.heap is not None:
+                        self.heap.maybe_trim()
                     if self.train_available() or self.rehearse_if_idle():
                         failures_in_a_row = 0
                     else:
@@ -243,7 +251,7 @@ class LearnerWorker:
         entries = self.store.after(self.trained_upto, b)
         if not entries:
             return False
-        if self.settings.max_lag_s and time.time() - entries[0].received > self.settings.max_lag_s:
+        if self.catch_up and self.catch_up.due(time.time(), entries[0].received):
             self._skip_behind()
             return True
         if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
@@ -281,21 +289,24 @@ class LearnerWorker:
         self._maybe_snapshot()
 
     def _skip_behind(self) -> None:
-        """Over the lag bound: the samples older than half of it reach the memory without a
-        gradient step (the memory still sees the whole stream), in chunks, each sample once."""
-        cutoff = time.time() - self.settings.max_lag_s / 2
-        entries = [e for e in self.store.after(self.trained_upto, CATCH_UP_CHUNK) if e.received < cutoff]
+        """Over the lag bound: the samples older than half of it are skipped, a chunk at a time,
+        each sample once; they reach the memory update while its share of time allows
+        (`learner.catch_up`), so the memory keeps sampling the whole stream."""
+        cutoff = self.catch_up.cutoff(time.time())
+        entries = [e for e in self.store.after(self.trained_upto, CHUNK) if e.received < cutoff]
         entries = self._set_aside_poison(entries)
         if not entries:
             return
         self._in_step = [e.seq for e in entries]
         self.consistent = False
-        self.learner.pass_through(images_from_blobs([e.image for e in entries], self.image_shape),
-                                  torch.tensor([e.class_id for e in entries]))
+        done = self.catch_up.skip(self.learner, time.monotonic(), torch.tensor([e.class_id for e in entries]),
+                                  lambda idx: images_from_blobs([entries[i].image for i in idx.tolist()],
+                                                                self.image_shape))
         self.trained_upto = entries[-1].seq
         self.consistent = True
         self._in_step = []
         self.metrics.samples_skipped.inc(len(entries))
+        self.metrics.samples_thinned.inc(done.thinned)
         self.publish()
         self._checkpoint_if_due()
 
@@ -353,7 +364,8 @@ class LearnerWorker:
             new_class_samples=self.online.new_class_samples, loss=None if loss is None else float(loss),
             step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
             backlog=self.store.pending(self.trained_upto), lag_s=round(self.lag_seconds(), 3),
-            samples_skipped=self.learner.samples_skipped, rehearsal_steps=self.learner.rehearsal_steps,
+            samples_skipped=self.learner.samples_skipped, samples_thinned=self.learner.samples_thinned,
+            rehearsal_steps=self.learner.rehearsal_steps,
             per_class=by_label(classes, {c: right / n for c, (right, n) in self.online.per_class().items()}),
             memory=by_label(classes, self.memory.class_counts()),
             replayed_incoming_share=round(100 * incoming / replayed, 2) if replayed else None)

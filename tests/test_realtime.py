@@ -54,37 +54,41 @@ class LagWatch(threading.Thread):
 
 
 def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped_once(tmp_path):
-    bound = 3.0
+    # a small share of the worker's time for the skipped samples' memory updates: some are thinned
+    bound = 1.0
     data_dir = tmp_path / "svc"
-    server = Server(data_dir, method="aser-mu", max_lag_s=bound, checkpoint_every_steps=5).start()
-    samples = [(label, image, f"burst-{i}") for i, (label, image) in enumerate(two_classes(400))]
+    server = Server(data_dir, method="aser-mu", max_lag_s=bound, catch_up_memory_share=0.1,
+                    checkpoint_every_steps=5, history_every_steps=1).start()
+    samples = [(label, image, f"burst-{i}") for i, (label, image) in enumerate(two_classes(500))]
     try:
         watch = LagWatch(server)
         watch.start()
         with ServiceClient(server.url) as client:
-            client.stream_samples(samples[:500])
+            client.stream_samples(samples[:600])
         st = drained(server)
         watch.stop.set()
         watch.join()
         lag = st["lag"]
-        assert lag["samples_skipped"] > 0 and st["samples_trained"] > 0
-        assert st["samples_trained"] + lag["samples_skipped"] == st["samples_received"] == 500
-        # the bound, give or take one chunk's pass through the memory and one step
-        assert watch.worst < bound + 5, watch.worst
+        assert 0 < lag["samples_thinned"] < lag["samples_skipped"] and st["samples_trained"] > 0
+        assert st["samples_trained"] + lag["samples_skipped"] == st["samples_received"] == 600
+        # the bound, give or take one chunk's catch-up and one step
+        assert watch.worst < bound + 2.5, watch.worst
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "aser_lag_seconds 0.0" in metrics and "aser_samples_skipped_total" in metrics
+        assert f"aser_samples_thinned_total {float(lag['samples_thinned'])}" in metrics
 
         # a second burst, and a SIGKILL in the middle of catching up: nothing lost, nothing twice
         with ServiceClient(server.url) as client:
-            client.stream_samples(samples[500:])
+            client.stream_samples(samples[600:])
         time.sleep(2 * bound)
         server.kill()
         server.start()
         st = drained(server)
-        assert st["samples_trained"] + st["lag"]["samples_skipped"] == st["samples_received"] == 800
-        assert log_digest(data_dir)[0] == 800  # the log holds every acknowledged sample, once
+        assert st["samples_trained"] + st["lag"]["samples_skipped"] == st["samples_received"] == 1000
+        assert log_digest(data_dir)[0] == 1000  # the log holds every acknowledged sample, once
         history = httpx.get(f"{server.url}/history").json()
         assert any(p["samples_skipped"] for p in history) and all(p["lag_s"] is not None for p in history)
+        assert all(p["samples_thinned"] <= p["samples_skipped"] for p in history)
     finally:
         server.stop()
 
@@ -155,6 +159,24 @@ def test_the_realtime_protocol_is_reproducible_and_a_fast_stream_outruns_the_lea
     assert_the_table_reports(queue, bounded_run)
     idle = realtime_run(tmp_path, cache_dir, "--stream-rate", "0.5x", "--idle-rehearsal")["realtime"]
     assert idle["trained_share"] >= 0.99 and idle["rehearsal_steps"] > 10 and idle["unseen"] <= 10
+
+
+def test_a_memory_slower_than_the_stream_is_thinned_and_the_lag_holds(tmp_path, cache_dir):
+    # 400 samples/s against a memory update of 10 ms a sample (100/s): skipped samples reach the
+    # memory only within its half of the learner's time; the rest are thinned, and the lag holds
+    slow = {"step_s": 0.1, "skip_s_per_sample": 0.01, "rehearse_s": 0.1}
+    run = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5", costs=slow)
+    rt = run["realtime"]
+    assert 0 < rt["thinned"] < rt["skipped"] and rt["thinned_share"] == rt["thinned"] / 1000
+    assert rt["trained"] + rt["skipped"] + rt["unseen"] == 1000
+    clock = 1000 / rt["stream_rate"] + slow["step_s"]  # the stream's length, and a step past its end
+    memory_seconds = slow["skip_s_per_sample"] * (rt["skipped"] - rt["thinned"])
+    assert memory_seconds <= 0.5 * clock + 0.5 * 0.5 + 1e-9  # its share of the clock, and the bucket's capacity
+    assert rt["unseen"] <= (0.5 + slow["step_s"]) * rt["stream_rate"], rt  # behind by the bound and a step at most
+    again = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5", costs=slow)
+    assert again["realtime"] == rt and again["anytime_accuracy"] == run["anytime_accuracy"]  # the draws are seeded
+    cheap = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5")["realtime"]
+    assert cheap["skipped"] > 0 and cheap["thinned"] == 0  # 1 ms a sample: the memory keeps up
 
 
 def assert_the_table_reports(queue: dict, bounded: dict) -> None:

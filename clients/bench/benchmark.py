@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from learner import METHODS, make_learner
+from learner.catch_up import MEMORY_SHARE
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
 from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
 from learner.ncm import memory_ncm
@@ -141,8 +142,10 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
     result["average_anytime_accuracy"] = sum(run["anytime"]) / len(run["anytime"])
     result["realtime"] = {"stream_rate": round(float(rate), 3), "stream_rate_arg": str(args.stream_rate),
                           "max_lag_s": args.max_lag, "idle_rehearsal": args.idle_rehearsal,
-                          "rehearsal_share": args.rehearsal_share, "cost_model": costs, **counts,
-                          **{f"{k}_share": round(counts[k] / stream.n, 4) for k in ("trained", "skipped", "unseen")}}
+                          "rehearsal_share": args.rehearsal_share, "catch_up_memory_share": args.catch_up_memory_share,
+                          "cost_model": costs, **counts,
+                          **{f"{k}_share": round(counts[k] / stream.n, 4)
+                             for k in ("trained", "skipped", "thinned", "unseen")}}
     return result
 
 
@@ -387,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "throughput by the cost model) against a clock the learner's work advances")
     run.add_argument("--max-lag", type=float, default=0.0, metavar="S",
                      help="with --stream-rate: beyond S seconds of lag, samples older than S/2 are skipped (0: none)")
+    run.add_argument("--catch-up-memory-share", type=float, default=MEMORY_SHARE, metavar="F",
+                     help="with --max-lag: the most of the learner's time that skipped samples' memory updates "
+                          "may take; beyond it skipped samples are thinned (learner.catch_up)")
     run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
     run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
     run.add_argument("--cost-model", default="results/realtime/cost-model.json",

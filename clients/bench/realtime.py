@@ -6,8 +6,9 @@ the memory, per rehearsal step) calibrated once per configuration and machine an
 (`--cost-model`), so a run is reproducible from its seed: a method that costs more trains on less
 of the stream (Ghunaim et al., CVPR 2023). At each moment the learner, like the service's worker:
 
-- over the lag bound (`--max-lag S`: the oldest waiting sample is older than S), passes the
-  samples older than S/2 through the memory without a gradient step (skipped);
+- over the lag bound (`--max-lag S`: the oldest waiting sample is older than S), skips the
+  samples older than S/2: no gradient step, and the memory update only while those updates keep
+  within `--catch-up-memory-share` of its time, the rest thinned (`learner.catch_up`);
 - else trains on the next full batch, if one has arrived;
 - else, with `--idle-rehearsal`, takes a replay-only step within `--rehearsal-share` of its time;
 - else waits for the next arrival.
@@ -15,7 +16,7 @@ of the stream (Ghunaim et al., CVPR 2023). At each moment the learner, like the 
 The stream ends when its last sample arrives: what was not learned by then is unseen. The model
 is evaluated at each task's end (the accuracy matrix: A_T, F_T) and halfway through each task
 ("anytime" accuracy: on the classes seen so far, at points spread along the stream). The result
-has the shares of the stream trained, skipped and unseen, and the rehearsal steps.
+has the shares of the stream trained, skipped (of them thinned) and unseen, and the rehearsal steps.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-CATCH_UP_CHUNK = 100  # as the service's worker
+from learner.catch_up import CHUNK, CatchUp
 
 
 def configuration_key(args) -> str:
@@ -69,9 +70,9 @@ def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> 
         return x[idx], y[idx]
 
     step = median_seconds(lambda: learner.observe(*next_batch(batch_size)), rounds)
-    skip = median_seconds(lambda: learner.pass_through(*next_batch(CATCH_UP_CHUNK)), max(3, rounds // 10))
+    skip = median_seconds(lambda: learner.pass_through(*next_batch(CHUNK)), max(3, rounds // 10))
     rehearse = median_seconds(learner.rehearse, rounds) if getattr(learner, "buffer", None) is not None else step
-    return {"step_s": step, "skip_s_per_sample": skip / CATCH_UP_CHUNK, "rehearse_s": rehearse,
+    return {"step_s": step, "skip_s_per_sample": skip / CHUNK, "rehearse_s": rehearse,
             "clock": "process CPU time", "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -116,9 +117,10 @@ def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
     as it is when point `index` of the evaluation schedule comes due."""
     b, bound = args.batch_size, args.max_lag
     share = args.rehearsal_share
+    catch_up = CatchUp(bound, args.catch_up_memory_share) if bound else None
     points = schedule(stream)
     t, nxt, next_point = 0.0, 0, 0
-    counts = {"trained": 0, "skipped": 0, "rehearsal_steps": 0}
+    counts = {"trained": 0, "skipped": 0, "thinned": 0, "rehearsal_steps": 0}
     end = stream.arrival(stream.n - 1)
     while True:
         while next_point < len(points) and points[next_point][0] <= t:  # the model as it is now
@@ -128,12 +130,13 @@ def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
             break
         arrived = stream.arrived(t)
         waiting = arrived - nxt
-        if waiting and bound and t - stream.arrival(nxt) > bound:
-            upto = min(stream.arrived(t - bound / 2), nxt + CATCH_UP_CHUNK)
-            upto = max(upto, nxt + 1)
-            learner.pass_through(stream.x[nxt:upto], stream.y[nxt:upto])
-            t += costs["skip_s_per_sample"] * (upto - nxt)
+        if waiting and catch_up and catch_up.due(t, stream.arrival(nxt)):
+            upto = max(min(stream.arrived(catch_up.cutoff(t)), nxt + CHUNK), nxt + 1)
+            done = catch_up.skip(learner, t, stream.y[nxt:upto], lambda idx, at=nxt: stream.x[at + idx],
+                                 costs["skip_s_per_sample"])
+            t += done.seconds
             counts["skipped"] += upto - nxt
+            counts["thinned"] += done.thinned
             nxt = upto
         elif waiting >= b or (waiting and arrived == stream.n):
             upto = min(nxt + b, arrived)

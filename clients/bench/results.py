@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from learner import METHODS
+from learner.catch_up import MEMORY_SHARE
 from learner.metrics import average_accuracy, average_forgetting, mean_ci95
 
 
@@ -79,7 +80,9 @@ def run_label(result: dict) -> str:
     if result.get("via"):
         modes.append("via service")
     if rt := result.get("realtime"):  # the real-time protocol never pools with the offline one
+        share = rt.get("catch_up_memory_share", MEMORY_SHARE)  # the default, in files written before it
         modes.append(f"rate {rt['stream_rate_arg']}" + (f", lag {rt['max_lag_s']:g} s" if rt["max_lag_s"] else "")
+                     + (f", memory share {share:g}" if rt["max_lag_s"] and share != MEMORY_SHARE else "")
                      + (", idle rehearsal" if rt["idle_rehearsal"] else ""))
     return result["method"] + (f" ({', '.join(modes)})" if modes else "")
 
@@ -127,18 +130,23 @@ SUMMARY_COLUMNS = (  # header, value of one run (None where a run lacks it)
 
 
 def stream_share(key: str):
-    """A real-time run's share of the stream `key` (trained, skipped, unseen at its end), in %.
+    """A real-time run's share of the stream `key` (trained, skipped, thinned, unseen at its end), in %.
 
     >>> stream_share("skipped")({"realtime": {"skipped_share": 0.27}}), stream_share("skipped")({})
     (27.0, None)
     """
-    return lambda r: 100 * r["realtime"][f"{key}_share"] if r.get("realtime") else None
+    def share(result: dict) -> float | None:
+        value = result.get("realtime", {}).get(f"{key}_share")
+        return None if value is None else 100 * value
+
+    return share
 
 
 REALTIME_COLUMNS = (  # the real-time protocol's: accuracy along the stream, and where the stream went
     ("anytime acc. (%)", lambda r: r.get("average_anytime_accuracy")),
     ("trained (%)", stream_share("trained")),
     ("skipped (%)", stream_share("skipped")),
+    ("thinned (%)", stream_share("thinned")),
     ("unseen at the end (%)", stream_share("unseen")),
     ("rehearsal steps", lambda r: r["realtime"]["rehearsal_steps"] if r.get("realtime") else None),
 )
@@ -195,6 +203,7 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
         note += " Paper's A_T: its Table 1, for the method with cross-entropy under either step."
     if realtime:
         note += (" Real time: anytime acc. is the accuracy on the classes seen so far at points along the stream; "
+                 "thinned: skipped samples that did not reach the memory update either (learner.catch_up); "
                  "unseen at the end is the stream the learner had not reached when it ended (its lag).")
     return "\n".join(lines) + "\n\n" + note + "\n"
 

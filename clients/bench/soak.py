@@ -109,6 +109,7 @@ def soak(args) -> dict:
                                "rss_bytes": rss_bytes(service.proc.pid), "received": st["samples_received"],
                                "trained": st["samples_trained"], "backlog": st["backlog"],
                                "lag_s": st["lag"]["seconds"], "skipped": st["lag"]["samples_skipped"],
+                               "thinned": st["lag"]["samples_thinned"],
                                "pixels_dropped": st["storage"]["retention_pixels_dropped"],
                                "freed_bytes": st["storage"]["retention_freed_bytes"]})
                 print(json.dumps(series[-1]), flush=True)

@@ -20,7 +20,7 @@ value or a list, and the block stands for every combination:
     seed = "0-14"                 # a list, or a range "a-b"
 
 Other keys of a block (lr, ...) are passed to `run` as they are (true: a flag alone) and do not enter
-the file names, except the real-time protocol's (stream_rate, max_lag, idle_rehearsal).
+the file names, except the real-time protocol's (stream_rate, max_lag, catch_up_memory_share, idle_rehearsal).
 Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-aug][-it<N>][-ema<D>][-n<N>][-m<M>]-seed<s>.json
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
@@ -101,6 +101,8 @@ class RunSpec:
             parts.append(f"rate{extra['stream_rate']}")
         if extra.get("max_lag"):
             parts.append(f"lag{extra['max_lag']:g}")
+        if "catch_up_memory_share" in extra:
+            parts.append(f"share{extra['catch_up_memory_share']:g}")
         if extra.get("idle_rehearsal"):
             parts.append("idle")
         if self.uses_memory:

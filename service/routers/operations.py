@@ -56,7 +56,9 @@ class Lag(BaseModel):
     seconds: float = Field(description="age of the oldest acknowledged sample the published model has not learned")
     samples: int = Field(description="acknowledged samples it has not learned (the backlog)")
     max_lag_s: float = Field(description="the bound (ASER_MAX_LAG_S; 0: none): beyond it samples are skipped")
-    samples_skipped: int = Field(description="samples in the lineage that reached the memory without a gradient step")
+    samples_skipped: int = Field(description="samples in the lineage skipped: no gradient step")
+    samples_thinned: int = Field(description="of them, those that did not reach the memory update either "
+                                 "(ASER_CATCH_UP_MEMORY_SHARE)")
     rehearsal_steps: int = Field(description="replay-only steps taken while the stream was idle")
 
 
@@ -122,7 +124,7 @@ def status(rt: Runtime) -> dict:
         "device": worker.device,
         "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": backlog,
                 "max_lag_s": rt.settings.max_lag_s, "samples_skipped": p.samples_skipped,
-                "rehearsal_steps": p.rehearsal_steps},
+                "samples_thinned": p.samples_thinned, "rehearsal_steps": p.rehearsal_steps},
         "storage": storage(rt),
         "uptime_s": round(time.time() - rt.started, 1),
     }

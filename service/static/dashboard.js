@@ -35,6 +35,7 @@ function counters(st) {
   const items = [
     ["samples received", st.samples_received], ["samples trained", st.samples_trained],
     ["backlog", st.backlog], ["lag", st.lag.seconds.toFixed(1) + " s"], ["skipped", st.lag.samples_skipped],
+    ["thinned", st.lag.samples_thinned],
     ["training steps", st.steps], ["rehearsal steps", st.lag.rehearsal_steps], ["classes", st.classes.length],
     ["online accuracy", pct(st.online.accuracy)],
     [`last ${st.online.window} samples`, pct(st.online.window_accuracy)],
