@@ -40,6 +40,7 @@ class CheckpointStore:
         self.db = db
         self.directory = directory
         self.identity = identity or {}
+        self._read_ahead: tuple[str, dict] | None = None  # the file `saved_identity` read, for `restore`
         directory.mkdir(parents=True, exist_ok=True)
         with db.schema() as schema:
             schema.executescript(SCHEMA)
@@ -60,7 +61,8 @@ class CheckpointStore:
         row = self.latest()
         if row is None or not (self.directory / row["file"]).exists():
             return None
-        state = torch.load(self.directory / row["file"], weights_only=True, map_location="cpu")
+        state = self._read(row["file"])
+        self._read_ahead = (row["file"], state)  # start-up restores right after: one read of the file
         return state.get("service_extra", {}).get("identity")
 
     def save(self, learner: ContinualLearner, trained_upto: int, extra: dict | None = None) -> int:
@@ -97,9 +99,7 @@ class CheckpointStore:
         self._remove_files_except(row["file"] if row else None)
         if row is None:
             return 0, {}
-        # onto the CPU: the learner copies what it needs to its device, and its generators' states
-        # must stay CPU tensors (a checkpoint written on a GPU restores on a CPU and the other way)
-        state = torch.load(self.directory / row["file"], weights_only=True, map_location="cpu")
+        state = self._read(row["file"])
         extra = state.pop("service_extra", {})
         self._check_identity(row["file"], state["method"], extra.pop("identity", None), learner)
         meta = state.pop("buffer_meta", None)
@@ -112,6 +112,15 @@ class CheckpointStore:
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)
         return row["trained_upto"], extra
+
+    def _read(self, file: str) -> dict:
+        """A checkpoint file's state, the one read ahead if it is that file (taken once)."""
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None and ahead[0] == file:
+            return ahead[1]
+        # onto the CPU: the learner copies what it needs to its device, and its generators' states
+        # must stay CPU tensors (a checkpoint written on a GPU restores on a CPU and the other way)
+        return torch.load(self.directory / file, weights_only=True, map_location="cpu")
 
     def _check_identity(self, file: str, name: str, identity: dict | None, learner: ContinualLearner) -> None:
         """`identity` is None in checkpoints from before it was saved: then the learner's name decides."""

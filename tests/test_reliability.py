@@ -242,14 +242,19 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     assert again.learner.steps == 4
 
 
-def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar10_slice):
-    """ASER_MEM_SIZE=0: the checkpoint holds an empty memory, and a restart still restores it."""
+def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar10_slice, monkeypatch):
+    """ASER_MEM_SIZE=0: the checkpoint holds an empty memory, and a restart still restores it,
+    reading the checkpoint file once (its identity and its state)."""
     worker = worker_for(tmp_path, cifar10_slice, 20, mem_size=0, checkpoint_every_steps=2)
     worker.start()
     until(lambda: worker.predictor.samples_trained == 20)
     worker.stop()
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
     again = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)
     assert again.trained_upto == 20 and again.learner.steps == 4 and len(again.learner.buffer) == 0
+    assert [p.name for p in loads] == [worker.checkpoints.latest()["file"]]
 
 
 def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp_path, cifar10_slice):
