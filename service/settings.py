@@ -26,8 +26,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from learner.catch_up import MEMORY_SHARE
 
-from .heap import TRIM_EVERY_S
-
 # the settings that decide how a lineage trains (its checkpoints' identity)
 LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations")
 # The stronger learner's options where unset: on where the evidence earned it. ER-ACE with all three
@@ -77,8 +75,6 @@ class Settings(BaseSettings):
     seed: int = 0
     max_batch_wait_s: float = Field(2.0, ge=0, description="train a partial batch once its oldest sample waited this long")
     checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
-    heap_trim_every_s: float = Field(TRIM_EVERY_S, ge=0, description="give the memory the heap freed back to the "
-                                     "system this often (glibc's malloc_trim; 0: never)")
     snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps and whenever "
                                       "the model has learned a new class (0: only on request)")
     predict_batch_wait_ms: float = Field(1.0, ge=0, le=1000, description="how long a prediction waits for "

@@ -38,7 +38,6 @@ from learner.ncm import ncm_head
 from .checkpoints import CheckpointStore
 from .db import Database
 from .errors import NoClassesYet
-from .heap import HeapTrimmer
 from .metrics import Metrics
 from .online import History, HistoryPoint, OnlineAccuracy
 from .settings import Settings
@@ -147,7 +146,6 @@ class LearnerWorker:
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
-        self.heap = HeapTrimmer(settings.heap_trim_every_s) if settings.heap_trim_every_s else None
         self.error: BaseException | None = None  # set only if the thread itself ends abnormally
         self._load()
 
@@ -211,8 +209,6 @@ class LearnerWorker:
                 try:
                     self._serve_forget_requests()
                     self._serve_snapshot_requests()
-                    if self.heap is not None:
-                        self.heap.maybe_trim()
                     if self.train_available() or self.rehearse_if_idle():
                         failures_in_a_row = 0
                     else:
