@@ -28,6 +28,7 @@ that only skips still falls further behind.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -76,8 +77,6 @@ class CatchUp:
         """Skip the samples of `labels`: those the allowance pays for reach `learner.pass_through`
         (`images_of(indices)` gives their images), the others `learner.skip`. `seconds_per_sample`
         is a cost model's (the benchmark); without one the pass is timed (the worker)."""
-        import time
-
         import torch
 
         self._fill(now)

@@ -61,8 +61,8 @@ class Metrics:
         self.worker_up = Gauge("aser_worker_up", "1 while the learner worker runs", registry=r)
         self.lag = Gauge("aser_lag_seconds", "Age of the oldest acknowledged sample the published model has not "
                          "learned (0: none waiting)", registry=r)
-        self.samples_skipped = Counter("aser_samples_skipped", "Samples that reached the memory without a gradient "
-                                       "step, the worker being over ASER_MAX_LAG_S (this process)", registry=r)
+        self.samples_skipped = Counter("aser_samples_skipped", "Samples skipped without a gradient step, the worker "
+                                       "being over ASER_MAX_LAG_S (this process)", registry=r)
         self.samples_thinned = Counter("aser_samples_thinned", "Skipped samples that did not reach the memory update "
                                        "either, its share of the worker's time being spent (this process)", registry=r)
         self.rehearsal_steps = Counter("aser_rehearsal_steps", "Replay-only steps taken while the stream was idle "

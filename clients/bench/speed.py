@@ -10,7 +10,8 @@ machine hits every case alike (ratios are what count):
 - er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
   10 classes, K=3, N_c=90: the paper's CIFAR-10 settings), replay batch 10;
 - er-ace, sv-upd-ace (the service's default), er-ace-aug-it2-ema (the stronger learner's
-  options: crop + flip, 2 steps per batch, a moving-average serving head): the same `observe`;
+  options: crop + flip, 2 steps per batch, a moving-average serving head), er-ace-aug-ema and
+  sv-upd-ace-ema (one step per batch, with the average): the same `observe`;
 - inference-100: logits of 100 images.
 
     python -m clients.bench.benchmark speed --out results/speed-cpu.json
@@ -54,6 +55,8 @@ OPTION_CASES = {
     "er-ace": ("er", {"loss": "ace"}),
     "sv-upd-ace": ("sv-upd", {"loss": "ace"}),
     "er-ace-aug-it2-ema": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99}),
+    "er-ace-aug-ema": ("er", {"loss": "ace", "augment": True, "ema_decay": 0.99}),
+    "sv-upd-ace-ema": ("sv-upd", {"loss": "ace", "ema_decay": 0.99}),
 }
 
 
