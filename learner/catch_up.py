@@ -7,9 +7,6 @@ memory update, so the memory keeps sampling the whole stream, while those update
 `memory_share` of the clock: a token bucket that fills at `memory_share` seconds a second and
 holds at most `memory_share x bound_s`. Beyond it, only as many of a chunk as the allowance pays
 for, drawn at random, reach the memory; the others are counted and nothing more (thinned).
-Those are a multiple of `SIZE_STEP` (the rest of the allowance carries over): passes of a few
-sizes only let the C heap reuse its blocks, where a hundred sizes grew it (glibc, in-process: 0.56
-to 0.76 GB over 400 passes of 1-100 samples, flat at 0.65 GB with multiples of 10).
 
 Why a cap: the reservoir's update costs microseconds a sample and never meets it, but ASER's
 KNN-SV update costs about 3 ms a sample on one CPU thread (results/realtime/cost-model.json),
@@ -24,9 +21,9 @@ that only skips still falls further behind.
 (True, 95.0)
 >>> labels = torch.tensor([0, 1] * 50)
 >>> done = rule.skip(learner, 100.0, labels, lambda idx: torch.zeros(len(idx), 3, 32, 32, dtype=torch.uint8),
-...                  seconds_per_sample=0.2)  # 5 s of allowance pays for 25 of the 100: 20 pass
+...                  seconds_per_sample=0.2)  # 5 s of allowance pays for 25 of the 100
 >>> done.reached, done.thinned, done.seconds, learner.samples_skipped, learner.samples_thinned
-(20, 80, 4.0, 100, 80)
+(25, 75, 5.0, 100, 75)
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ if TYPE_CHECKING:  # torch is imported where a draw needs it: the service's sett
     import torch
 
 CHUNK = 100  # samples skipped at a time, between two looks at what is waiting
-SIZE_STEP = 10  # a thinned chunk's memory update takes a multiple of this many samples
 MEMORY_SHARE = 0.5  # of the clock that skipped samples' memory updates may take at most
 
 
@@ -87,8 +83,6 @@ class CatchUp:
         cost = seconds_per_sample if seconds_per_sample is not None else self._seconds_per_sample
         n = labels.numel()
         affordable = n if cost is None or cost <= 0 else min(n, max(0, int(self.allowance / cost + 1e-9)))
-        if affordable < n:
-            affordable -= affordable % SIZE_STEP
         chosen = torch.arange(n) if affordable == n else self._draw(n, affordable)
         thinned = torch.ones(n, dtype=torch.bool)
         thinned[chosen] = False
