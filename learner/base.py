@@ -87,13 +87,18 @@ class ContinualLearner:
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
 
-    def pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """Let a batch the learner has no time to train on reach the memory only: no gradient
-        step, but the memory update sees it as it sees every sample (so the memory keeps
-        sampling the whole stream). A learner without a memory only counts it."""
+    def pass_through(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int | None = None) -> None:
+        """Let samples the learner has no time to train on reach the memory only: no gradient
+        step, but the memory update sees them as it sees every sample (so the memory keeps
+        sampling the whole stream), `batch_size` at a time (the stream's batch: KNN-SV then scores
+        a skipped sample among as many candidates as a trained one, and a pass holds a step's
+        activations, not ten times them, which glibc's heap fragmented on). A learner without a
+        memory only counts them."""
         images, labels = images.to(self.device), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        self._pass_through(images, labels)
+        step = batch_size or labels.numel()
+        for i in range(0, labels.numel(), step):
+            self._pass_through(images[i:i + step], labels[i:i + step])
         self.samples_skipped += images.shape[0]
 
     def _pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:

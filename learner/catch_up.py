@@ -3,7 +3,8 @@ service's worker and the benchmark's real-time protocol.
 
 Over the bound (the oldest waiting sample is older than `bound_s`), the samples older than half
 of it are skipped, `CHUNK` at a time: no gradient step. A skipped sample still reaches the
-memory update, so the memory keeps sampling the whole stream, while those updates keep within
+memory update (in batches of the stream's `batch_size`, as it would have trained), so the memory
+keeps sampling the whole stream, while those updates keep within
 `memory_share` of the clock: a token bucket that fills at `memory_share` seconds a second and
 holds at most `memory_share x bound_s`. Beyond it, only as many of a chunk as the allowance pays
 for, drawn at random, reach the memory; the others are counted and nothing more (thinned).
@@ -51,10 +52,10 @@ class Skipped:
 class CatchUp:
     """The lag bound of `bound_s` seconds and the allowance of its memory updates."""
 
-    def __init__(self, bound_s: float, memory_share: float = MEMORY_SHARE, seed: int = 0):
+    def __init__(self, bound_s: float, memory_share: float = MEMORY_SHARE, batch_size: int = 10, seed: int = 0):
         if bound_s <= 0 or not 0 < memory_share <= 1:
             raise ValueError("the bound must be positive and the memory share in (0, 1]")
-        self.bound_s, self.memory_share, self.seed = bound_s, memory_share, seed
+        self.bound_s, self.memory_share, self.batch_size, self.seed = bound_s, memory_share, batch_size, seed
         self.allowance = self.capacity  # seconds of memory updates it may spend now
         self._filled_at: float | None = None
         self._seconds_per_sample: float | None = None  # the last timed pass's, per sample
@@ -89,7 +90,7 @@ class CatchUp:
         seconds = 0.0
         if affordable:
             t0 = time.perf_counter()
-            learner.pass_through(images_of(chosen), labels[chosen])
+            learner.pass_through(images_of(chosen), labels[chosen], self.batch_size)
             measured = time.perf_counter() - t0
             seconds = seconds_per_sample * affordable if seconds_per_sample is not None else measured
             self._seconds_per_sample = seconds / affordable

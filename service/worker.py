@@ -129,7 +129,7 @@ class LearnerWorker:
         self.device = resolve_device(settings.device)
         self.image_shape = (3, settings.image_size, settings.image_size)
         self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
-        self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share) if settings.max_lag_s else None
+        self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size) if settings.max_lag_s else None
         self._follow_lineage()
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)

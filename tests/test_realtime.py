@@ -139,7 +139,7 @@ def realtime_run(tmp_path, cache_dir, *extra, seed=0, costs=None):
                                                        str(tmp_path / "costs.json"), *extra)])
     torch.set_num_threads(args.threads)  # part of the cost model's key
     plain = build_parser().parse_args(["run", *run_args(cache_dir, "er")])
-    fixed = costs or {"step_s": 0.1, "skip_s_per_sample": 0.001, "rehearse_s": 0.1}
+    fixed = {"skip_batch": 10, **(costs or {"step_s": 0.1, "skip_s_per_sample": 0.001, "rehearse_s": 0.1})}
     (tmp_path / "costs.json").write_text(json.dumps({configuration_key(a): fixed for a in (args, plain)}))
     return run_once(args, load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir), seed, progress=False)
 
@@ -217,3 +217,35 @@ def test_calibrate_only_writes_the_cost_model_in_cpu_seconds_with_its_command(tm
     assert printed["stream_rate"] == 10 / models[plain]["step_s"]  # 1x: plain ER's throughput, b = 10
     assert main(argv) == 0  # kept: a second call calibrates nothing and changes nothing
     assert json.loads(costs.read_text()) == models
+    # an entry timed before skipped samples went to the memory a batch at a time: only that is timed again
+    key = configuration_key(build_parser().parse_args(argv))
+    old = {k: v for k, v in models[key].items() if k != "skip_batch"}
+    costs.write_text(json.dumps({**models, key: {**old, "skip_s_per_sample": 1.0}}))
+    assert main(argv) == 0
+    again = json.loads(costs.read_text())[key]
+    assert again["skip_batch"] == 10 and 0 < again["skip_s_per_sample"] < again["step_s"] and "skip_calibrated" in again
+    assert {k: again[k] for k in ("step_s", "rehearse_s", "calibrated")} == {k: old[k] for k in ("step_s", "rehearse_s", "calibrated")}
+    for model in models.values():
+        assert model["skip_batch"] == 10
+
+
+def test_a_skipped_chunk_reaches_the_memory_update_a_stream_batch_at_a_time(cifar10_slice):
+    # as a trained batch would: KNN-SV scores each skipped sample among as many candidates
+    from learner import make_learner
+    from learner.catch_up import CatchUp
+
+    data = cifar10_slice
+    learner = make_learner("sv-upd", 10, mem_size=50, loss="ace")
+    for i in range(0, 100, 10):
+        learner.observe(data.train_x[i:i + 10], data.train_y[i:i + 10])
+    update, sizes = learner.update_policy.update, []
+
+    def recorded(buffer, images, labels, context):
+        sizes.append(len(labels))
+        return update(buffer, images, labels, context)
+
+    learner.update_policy.update = recorded
+    x, y = data.train_x[100:195], data.train_y[100:195]
+    CatchUp(bound_s=10, batch_size=10).skip(learner, 0.0, y, lambda idx: x[idx])
+    assert sizes == [10] * 9 + [5] and learner.samples_skipped == 95 and learner.samples_thinned == 0
+    assert learner.steps == 10 and len(learner.buffer) == 50  # no step; the memory stays full

@@ -45,47 +45,65 @@ def calibrate(build, data, batch_size: int, mem_size: int, rounds: int = 30) -> 
     CPU time of the process, not wall time: the cost of the work itself, whatever else the machine
     runs beside the calibration (a sweep on the other cores). On one thread the two agree on an
     idle machine; on several, CPU time counts every thread's share."""
+    learner, next_batch = _filled(build, data, batch_size, mem_size)
+    step = _median_seconds(lambda: learner.observe(*next_batch(batch_size)), rounds)
+    skip = calibrate_skip(learner, next_batch, batch_size, rounds)
+    rehearse = _median_seconds(learner.rehearse, rounds) if getattr(learner, "buffer", None) is not None else step
+    return {"step_s": step, **skip, "rehearse_s": rehearse,
+            "clock": "process CPU time", "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def calibrate_skip(learner, next_batch, batch_size: int, rounds: int = 30) -> dict:
+    """CPU seconds of a skipped sample's memory update: a chunk passed through as the catch-up
+    passes it (`batch_size` at a time)."""
+    chunk = _median_seconds(lambda: learner.pass_through(*next_batch(CHUNK), batch_size), max(3, rounds // 10))
+    return {"skip_s_per_sample": chunk / CHUNK, "skip_batch": batch_size}
+
+
+def _filled(build, data, batch_size: int, mem_size: int):
+    """A learner trained until its memory is full, and the next batches of the same order."""
     learner = build()
     x, y = data.train_x, data.train_y
     order = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))
-    seen = 0
-    while len(getattr(learner, "buffer", ())) < mem_size and seen + batch_size <= y.numel():
-        batch = order[seen:seen + batch_size]
-        learner.observe(x[batch], y[batch])
-        seen += batch_size
-
-    def median_seconds(fn, n):
-        times = []
-        for _ in range(n):
-            t0 = time.process_time()
-            fn()
-            times.append(time.process_time() - t0)
-        return statistics.median(times)
-
-    cursor = [seen]
+    cursor = [0]
 
     def next_batch(n):
         idx = order[cursor[0] % y.numel():][:n]
         cursor[0] += n
         return x[idx], y[idx]
 
-    step = median_seconds(lambda: learner.observe(*next_batch(batch_size)), rounds)
-    skip = median_seconds(lambda: learner.pass_through(*next_batch(CHUNK)), max(3, rounds // 10))
-    rehearse = median_seconds(learner.rehearse, rounds) if getattr(learner, "buffer", None) is not None else step
-    return {"step_s": step, "skip_s_per_sample": skip / CHUNK, "rehearse_s": rehearse,
-            "clock": "process CPU time", "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    while len(getattr(learner, "buffer", ())) < mem_size and cursor[0] + batch_size <= y.numel():
+        learner.observe(*next_batch(batch_size))
+    return learner, next_batch
+
+
+def _median_seconds(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
 
 
 def cost_model(args, build, data, command: str) -> dict:
     """The configuration's costs from `--cost-model` (calibrated and added to it, with the
-    `command` that did it, if absent)."""
+    `command` that did it, if absent). An entry whose pass-through was timed on whole chunks
+    (before the memory update took skipped samples a batch at a time) gets that cost measured
+    again, its step and rehearsal costs kept: runs already made with them stay comparable."""
     path = Path(args.cost_model)
     models = json.loads(path.read_text()) if path.exists() else {}
     key = configuration_key(args)
     if key not in models:
         models[key] = {**calibrate(build, data, args.batch_size, args.mem_size), "command": command}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(models, indent=2) + "\n")
+    elif "skip_batch" not in models[key]:
+        learner, next_batch = _filled(build, data, args.batch_size, args.mem_size)
+        models[key].update(calibrate_skip(learner, next_batch, args.batch_size), skip_command=command,
+                           skip_calibrated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    else:
+        return {"key": key, **models[key]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(models, indent=2) + "\n")
     return {"key": key, **models[key]}
 
 
@@ -117,7 +135,7 @@ def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
     as it is when point `index` of the evaluation schedule comes due."""
     b, bound = args.batch_size, args.max_lag
     share = args.rehearsal_share
-    catch_up = CatchUp(bound, args.catch_up_memory_share) if bound else None
+    catch_up = CatchUp(bound, args.catch_up_memory_share, b) if bound else None
     points = schedule(stream)
     t, nxt, next_point = 0.0, 0, 0
     counts = {"trained": 0, "skipped": 0, "thinned": 0, "rehearsal_steps": 0}
