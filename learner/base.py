@@ -91,9 +91,8 @@ class ContinualLearner:
         """Let samples the learner has no time to train on reach the memory only: no gradient
         step, but the memory update sees them as it sees every sample (so the memory keeps
         sampling the whole stream), `batch_size` at a time (the stream's batch: KNN-SV then scores
-        a skipped sample among as many candidates as a trained one, and a pass holds a step's
-        activations, not ten times them, which glibc's heap fragmented on). A learner without a
-        memory only counts them."""
+        a skipped sample among as many candidates as a trained one). A learner without a memory
+        only counts them."""
         images, labels = images.to(self.device), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         step = batch_size or labels.numel()
