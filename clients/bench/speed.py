@@ -20,6 +20,7 @@ machine hits every case alike (ratios are what count):
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,6 +50,9 @@ def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool 
 
     return step
 
+
+# environment variables that change the C heap (glibc's tunables, a preloaded allocator): recorded
+ALLOCATOR_ENV = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
 
 # the configurations timed beside the paper's methods: name -> (method, options)
 OPTION_CASES = {
@@ -146,6 +150,7 @@ def cmd_speed(args) -> int:
         "rounds": args.rounds,
         "cases": cases,
         "ratios": ratios(cases),
+        "allocator": {k: v for k, v in os.environ.items() if k in ALLOCATOR_ENV},  # the C heap's settings
         "command": f"python -m clients.bench.benchmark speed --device {args.device} --rounds {args.rounds}"
                    f"{' --bf16' if args.bf16 else ''}{' --bf16-latent' if args.bf16_latent else ''}"
                    f"{' --compile' if args.compile else ''}"
