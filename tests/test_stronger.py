@@ -208,3 +208,27 @@ def test_a_data_directory_keeps_its_lineage_under_the_new_options(tmp_path):
         averaged.stop()
     with pytest.raises(RuntimeError, match="ASER_ITERATIONS"):
         Server(data_dir, method="er", iterations=2).start()
+
+
+def test_a_data_directory_of_the_previous_default_goes_on_serving_the_average(tmp_path):
+    """Made by sv-upd + ACE serving its trained weights (the default before the average earned its
+    place): the current default, nothing set, goes on with its lineage and serves the average."""
+    import httpx
+
+    from .test_online import two_classes
+    from .test_service import Server, b64, wait_trained
+
+    data_dir = tmp_path / "svc"
+    server = Server(data_dir, ema=0).start()
+    samples = two_classes(10)
+    httpx.post(f"{server.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in samples]})
+    wait_trained(server, len(samples))
+    assert "ema_decay" not in httpx.get(f"{server.url}/status").json()["config"]
+    server.stop()
+    default = Server(data_dir).start()
+    try:
+        st = httpx.get(f"{default.url}/status").json()
+        assert st["method"] == "sv-upd" and st["samples_trained"] == len(samples)
+        assert st["config"]["ema_decay"] == 0.99 and "augment" not in st["config"]
+    finally:
+        default.stop()

@@ -9,9 +9,9 @@ machine hits every case alike (ratios are what count):
   (--bf16-latent runs only the memory policies' feature passes in bf16, training stays fp32)
 - er, aser, aser-mu, mir: one full `observe` of 10 new images with a full memory (M=1000,
   10 classes, K=3, N_c=90: the paper's CIFAR-10 settings), replay batch 10;
-- er-ace, sv-upd-ace (the service's default), er-ace-aug-it2-ema (the stronger learner's
-  options: crop + flip, 2 steps per batch, a moving-average serving head), er-ace-aug-ema and
-  sv-upd-ace-ema (one step per batch, with the average): the same `observe`;
+- er-ace, sv-upd-ace, er-ace-aug-it2-ema (the stronger learner's options: crop + flip, 2 steps
+  per batch, a moving-average serving head), er-ace-aug-ema and sv-upd-ace-ema (one step per
+  batch, with the average; the service's default): the same `observe`;
 - inference-100: logits of 100 images.
 
     python -m clients.bench.benchmark speed --out results/speed-cpu.json
