@@ -134,7 +134,8 @@ base_image_seconds=$(($(date +%s) - base_started))  # 0 when the image was there
 torch_index=$(serve_torch_index)
 build() {  # target tag
   DOCKER_BUILDKIT=0 docker build --network host -f deploy/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
-    --build-arg TORCH_INDEX="$torch_index" --target "$1" -t "$2" . >"$WORK/build.log" 2>&1 \
+    --build-arg TORCH_INDEX="$torch_index" --build-arg APT_OPTIONS="-o Acquire::Check-Valid-Until=false" \
+    --target "$1" -t "$2" . >"$WORK/build.log" 2>&1 \
     || { tail -40 "$WORK/build.log"; exit 1; }
 }
 say "building aser-service:latest and aser-replica:latest on $BASE_IMAGE (torch from $torch_index)"
@@ -173,6 +174,10 @@ smoke=("$PYTHON" -m clients.bench.smoke --learner "http://127.0.0.1:$learner_por
 "${smoke[@]}" stream
 learner=$(compose ps -q learner)
 memory() { docker stats --no-stream --format '{{.MemUsage}}' "$1" | cut -d' ' -f1; }  # "694MiB / 23GiB"
+# the learner runs on jemalloc (the image's LD_PRELOAD), not glibc's heap that grows under overload
+allocator=$(docker exec "$learner" sh -c 'grep -o "libjemalloc[^ ]*" /proc/1/maps | head -1')
+[ -n "$allocator" ] || { echo "the learner's process has no jemalloc mapped" >&2; exit 1; }
+say "the learner's allocator: $allocator"
 memory_learner=$(memory "$learner")
 memory_replica=$(memory "$(compose ps -q replica | head -1)")
 say "memory in use: learner $memory_learner, one replica $memory_replica"
@@ -186,6 +191,6 @@ restart_seconds=$(($(date +%s) - restart_started))
   --note "machine=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores" \
   --note "docker=$(docker version -f '{{.Server.Version}}')" --note "base_image=$BASE_IMAGE" --note "base_image_seconds=$base_image_seconds" \
   --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" \
-  --note "build_seconds=$build_seconds" --note "memory_learner=$memory_learner" \
+  --note "build_seconds=$build_seconds" --note "allocator=$allocator" --note "memory_learner=$memory_learner" \
   --note "memory_replica=$memory_replica" --note "restart_to_healthy_seconds=$restart_seconds" \
   --note "total_seconds=$(($(date +%s) - started))"
