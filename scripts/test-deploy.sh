@@ -56,7 +56,8 @@ apt_mirror() {
       if ($(i + 1) == suite) { print $i; exit } }'
 }
 
-# python:3.11-slim as pulled, or else made here: Debian's python3 in a venv on a minimal rootfs.
+# python:3.11-slim as pulled, or else made here: Debian's python3 in a venv on a minimal rootfs, with
+# the learner's jemalloc from the same mirror (the image's build then needs no apt of its own).
 ensure_base_image() {
   docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 && return
   timeout 60 docker pull -q "$BASE_IMAGE" >/dev/null 2>&1 && return
@@ -65,7 +66,7 @@ ensure_base_image() {
   mirror=$(apt_mirror "$VERSION_CODENAME" | head -1)
   [ -n "$mirror" ] || { echo "no apt mirror for $VERSION_CODENAME in this machine's sources" >&2; exit 1; }
   say "no $BASE_IMAGE to pull: debootstrap $VERSION_CODENAME from $mirror"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,libjemalloc2 \
     "$VERSION_CODENAME" "$rootfs" "$mirror" >"$WORK/debootstrap.log" 2>&1 || { tail -20 "$WORK/debootstrap.log"; exit 1; }
   # the build's downloads go through whatever TLS this machine trusts
   cp /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/ca-certificates.crt"
