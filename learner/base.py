@@ -65,19 +65,24 @@ class ContinualLearner:
         self.samples_skipped = 0  # not trained on: a stream too fast (`pass_through` and `skip`)
         self.samples_thinned = 0  # of them, those that did not even reach the memory update (`skip`)
         self.rehearsal_steps = 0  # replay-only steps taken while the stream was idle
+        self.lean_steps = 0  # of the stream steps, those taken lean (behind the stream)
         self.current_task_classes: torch.Tensor | None = None
         self.forgotten: set[int] = set()  # classes removed on request: never predicted again
         self._folded = None  # (version, {(id of the net, dtype): folded f_ext}) for inference
 
     # --- the step ----------------------------------------------------------------------
-    def observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
-        """Learn from one incoming mini-batch B_n (seen once). Returns step statistics."""
+    def observe(self, images: torch.Tensor, labels: torch.Tensor, lean: bool = False) -> dict:
+        """Learn from one incoming mini-batch B_n (seen once). Returns step statistics.
+
+        `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation),
+        for a learner behind its stream (`learner.catch_up`): more of the stream gets a step."""
         if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != self.image_shape:
             raise ValueError(f"expected uint8 images [b, {', '.join(map(str, self.image_shape))}], "
                              f"got {images.dtype} {tuple(images.shape)}")
         images, labels = images.to(self.device), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        stats = self._observe(images, labels)
+        stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
+        self.lean_steps += lean
         if self.forgotten:
             self._silence_forgotten()  # whatever the method's step did to those rows
         self.steps += 1
@@ -86,6 +91,9 @@ class ContinualLearner:
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
+
+    def _lean_observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
+        return self._observe(images, labels)  # a method without costly options has one form
 
     def pass_through(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int | None = None) -> None:
         """Let samples the learner has no time to train on reach the memory only: no gradient
@@ -272,6 +280,7 @@ class ContinualLearner:
             "samples_skipped": self.samples_skipped,
             "samples_thinned": self.samples_thinned,
             "rehearsal_steps": self.rehearsal_steps,
+            "lean_steps": self.lean_steps,
             "forgotten": sorted(self.forgotten),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
         }
@@ -289,6 +298,7 @@ class ContinualLearner:
         self.samples_skipped = state.get("samples_skipped", 0)  # absent from states written before them
         self.samples_thinned = state.get("samples_thinned", 0)
         self.rehearsal_steps = state.get("rehearsal_steps", 0)
+        self.lean_steps = state.get("lean_steps", 0)
         self.forgotten = set(state.get("forgotten", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights
             self.ema.load_state_dict(state.get("ema"), self.model)

@@ -8,6 +8,9 @@ keeps sampling the whole stream, while those updates keep within
 `memory_share` of the clock: a token bucket that fills at `memory_share` seconds a second and
 holds at most `memory_share x bound_s`. Beyond it, only as many of a chunk as the allowance pays
 for, drawn at random, reach the memory; the others are counted and nothing more (thinned).
+Before that, while the oldest waiting sample is past the cutoff (`behind`), a caller may take lean
+steps (`observe(..., lean=True)`: the bare method's step, without repeated rehearsal or
+augmentation), so that a costly learner trains on more of the stream rather than skipping it.
 
 Why a cap: the reservoir's update costs microseconds a sample and never meets it, but ASER's
 KNN-SV update costs about 3 ms a sample on one CPU thread (results/realtime/cost-model.json),
@@ -18,8 +21,8 @@ that only skips still falls further behind.
 >>> from learner import make_learner
 >>> learner = make_learner("er", 2, mem_size=20)
 >>> rule = CatchUp(bound_s=10, memory_share=0.5)
->>> rule.due(now=100.0, oldest_arrival=85.0), rule.cutoff(now=100.0)
-(True, 95.0)
+>>> rule.due(now=100.0, oldest_arrival=85.0), rule.cutoff(now=100.0), rule.behind(now=100.0, oldest_arrival=94.0)
+(True, 95.0, True)
 >>> labels = torch.tensor([0, 1] * 50)
 >>> done = rule.skip(learner, 100.0, labels, lambda idx: torch.zeros(len(idx), 3, 32, 32, dtype=torch.uint8),
 ...                  seconds_per_sample=0.2)  # 5 s of allowance pays for 25 of the 100
@@ -68,6 +71,11 @@ class CatchUp:
     def due(self, now: float, oldest_arrival: float) -> bool:
         """Whether the learner is over the bound: the oldest waiting sample arrived too long ago."""
         return now - oldest_arrival > self.bound_s
+
+    def behind(self, now: float, oldest_arrival: float) -> bool:
+        """Whether the oldest waiting sample is past the cutoff: the next time the bound bites it is
+        skipped, so a cheaper (lean) step now trains more of what would be skipped."""
+        return now - oldest_arrival > self.bound_s / 2
 
     def cutoff(self, now: float) -> float:
         """Samples that arrived before this are skipped (those older than half the bound)."""

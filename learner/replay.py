@@ -13,6 +13,8 @@ Two options compose with every policy pair:
   The memory update runs once, after the last step, as with N = 1.
 - `augment` (`learner.augment`): the incoming and replayed images of each step are cropped and
   flipped afresh; the memory stores the incoming samples as they came.
+A lean step (`observe(..., lean=True)`, for a learner behind its stream) takes neither: one step,
+as the bare method.
 """
 
 from __future__ import annotations
@@ -58,12 +60,19 @@ class ReplayLearner(ContinualLearner):
         return self.retrieval_policy.retrieve(self.buffer, images, labels, self.replay_batch, ctx)
 
     def _observe(self, images, labels):
+        return self._steps(images, labels, self.iterations, self.augment)
+
+    def _lean_observe(self, images, labels):
+        """One step without augmentation: the bare method's cost, whatever the options."""
+        return self._steps(images, labels, 1, None)
+
+    def _steps(self, images, labels, iterations: int, augment: BatchAugment | None) -> dict:
         ctx = self.context()
         replayed, incoming = 0, 0
-        for _ in range(self.iterations):
+        for _ in range(iterations):
             slots = self.retrieve(images, labels, ctx)
             replay_x, replay_y = self.buffer.images[slots], self.buffer.labels[slots]
-            x, rx = self._augmented(images, replay_x)
+            x, rx = (images, replay_x) if augment is None else (augment(images), augment(replay_x))
             loss = self.optimize(lambda: self.objective(self.forward_logits, x, labels, rx, replay_y))
             ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
             # replayed samples of the incoming batch's classes: what lets new classes compete with the
@@ -87,11 +96,6 @@ class ReplayLearner(ContinualLearner):
         x, y = self.buffer.images[slots], self.buffer.labels[slots]
         x = self.augment(x) if self.augment is not None else x
         return {"loss": self.optimize(lambda: F.cross_entropy(self.forward_logits(x), y))}
-
-    def _augmented(self, images: torch.Tensor, replay_images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.augment is None:
-            return images, replay_images
-        return self.augment(images), self.augment(replay_images)
 
     def state_dict(self) -> dict:
         state = super().state_dict()

@@ -65,6 +65,9 @@ class Metrics:
                                        "being over ASER_MAX_LAG_S (this process)", registry=r)
         self.samples_thinned = Counter("aser_samples_thinned", "Skipped samples that did not reach the memory update "
                                        "either, its share of the worker's time being spent (this process)", registry=r)
+        self.lean_steps = Counter("aser_lean_steps", "Stream steps taken in the method's cheapest form, the worker "
+                                  "being behind by half of ASER_MAX_LAG_S (ASER_LEAN_WHEN_BEHIND; this process)",
+                                  registry=r)
         self.rehearsal_steps = Counter("aser_rehearsal_steps", "Replay-only steps taken while the stream was idle "
                                        "(this process)", registry=r)
         self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     catch_up_memory_share: float = Field(MEMORY_SHARE, gt=0, le=1, description="over the lag bound, the most of the "
                                          "worker's time the skipped samples' memory updates may take; beyond it a "
                                          "random part of them skip the memory too (thinned; learner.catch_up)")
+    lean_when_behind: bool = Field(False, description="while the oldest untrained sample is older than half of "
+                                   "ASER_MAX_LAG_S, train with the method's cheapest step (one iteration, no "
+                                   "augmentation), so a costly learner trains on more of the stream than it skips")
     idle_rehearsal: bool = Field(False, description="replay-only steps from the memory while no batch is due")
     idle_rehearsal_share: float = Field(0.5, gt=0, le=1, description="the most of the worker's time idle rehearsal "
                                         "may take (it pauses between its steps to stay under it)")

@@ -65,6 +65,7 @@ class Predictor:
     samples_skipped: int = 0
     samples_thinned: int = 0
     rehearsal_steps: int = 0
+    lean_steps: int = 0
     normalize: bool = False  # the head takes unit-norm features (the NCM head)
 
     @classmethod
@@ -76,7 +77,7 @@ class Predictor:
         n = min(len(classes), weight.shape[0])
         return cls(learner.inference_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
                    tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
-                   learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps,
+                   learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps, learner.lean_steps,
                    normalize=ncm is not None)
 
     @property
@@ -252,19 +253,21 @@ class LearnerWorker:
             return True
         if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
             return False  # wait for a full batch a little longer
+        lean = bool(self.settings.lean_when_behind and self.catch_up
+                    and self.catch_up.behind(time.time(), entries[0].received))
         entries = self._set_aside_poison(entries)
         if entries:
-            self._step(entries)
+            self._step(entries, lean)
         return True
 
-    def _step(self, entries: list[LogEntry]) -> None:
+    def _step(self, entries: list[LogEntry], lean: bool) -> None:
         self._in_step = [e.seq for e in entries]
         self.consistent = False
         t0 = time.perf_counter()
         images = images_from_blobs([e.image for e in entries], self.image_shape)
         labels = [e.class_id for e in entries]
         self._score_before_training(images, labels)
-        stats = self.learner.observe(images, torch.tensor(labels))
+        stats = self.learner.observe(images, torch.tensor(labels), lean=lean)
         self.last_step_seconds = time.perf_counter() - t0
         self.trained_upto = entries[-1].seq
         self.consistent = True
@@ -273,6 +276,7 @@ class LearnerWorker:
             self._failures.pop(e.seq, None)
         self.metrics.train_step.observe(self.last_step_seconds)
         self.metrics.samples_trained.inc(len(entries))
+        self.metrics.lean_steps.inc(lean)
         replayed, incoming = stats.get("replayed", 0), float(stats.get("replayed_incoming", 0))
         self.metrics.samples_replayed.inc(replayed)
         self.metrics.replayed_incoming.inc(incoming)

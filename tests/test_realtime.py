@@ -57,7 +57,7 @@ def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped
     # a small share of the worker's time for the skipped samples' memory updates: some are thinned
     bound = 1.0
     data_dir = tmp_path / "svc"
-    server = Server(data_dir, method="aser-mu", max_lag_s=bound, catch_up_memory_share=0.1,
+    server = Server(data_dir, method="aser-mu", max_lag_s=bound, catch_up_memory_share=0.1, lean_when_behind="true",
                     checkpoint_every_steps=5, history_every_steps=1).start()
     samples = [(label, image, f"burst-{i}") for i, (label, image) in enumerate(two_classes(500))]
     try:
@@ -76,6 +76,8 @@ def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "aser_lag_seconds 0.0" in metrics and "aser_samples_skipped_total" in metrics
         assert f"aser_samples_thinned_total {float(lag['samples_thinned'])}" in metrics
+        assert 0 < lag["lean_steps"] <= st["steps"]  # steps taken behind half the bound: lean (ASER_mu's one form)
+        assert f"aser_lean_steps_total {float(lag['lean_steps'])}" in metrics
 
         # a second burst, and a SIGKILL in the middle of catching up: nothing lost, nothing twice
         with ServiceClient(server.url) as client:
@@ -127,7 +129,8 @@ def test_an_idle_learner_rehearses_and_turns_to_a_new_sample_within_a_step(tmp_p
 
 def realtime_run(tmp_path, cache_dir, *extra, seed=0, costs=None):
     """A real-time benchmark run on a slice of real CIFAR-10 (1,000 training images), with a fixed
-    cost model: a stream step 0.1 s (ER's throughput 100 samples/s), a skip 1 ms a sample."""
+    cost model: a stream step 0.1 s (ER's throughput 100 samples/s), a skip 1 ms a sample; `costs`
+    replace the run's configuration's (plain ER's and the lean step's stay)."""
     from clients.bench.benchmark import build_parser, run_once
     from clients.bench.realtime import configuration_key
     from learner.data import load_dataset
@@ -139,8 +142,11 @@ def realtime_run(tmp_path, cache_dir, *extra, seed=0, costs=None):
                                                        str(tmp_path / "costs.json"), *extra)])
     torch.set_num_threads(args.threads)  # part of the cost model's key
     plain = build_parser().parse_args(["run", *run_args(cache_dir, "er")])
-    fixed = {"skip_batch": 10, **(costs or {"step_s": 0.1, "skip_s_per_sample": 0.001, "rehearse_s": 0.1})}
-    (tmp_path / "costs.json").write_text(json.dumps({configuration_key(a): fixed for a in (args, plain)}))
+    lean = build_parser().parse_args(["run", *run_args(cache_dir, "er", "--loss", "ace")])
+    fixed = {"skip_batch": 10, "step_s": 0.1, "skip_s_per_sample": 0.001, "rehearse_s": 0.1}
+    models = {configuration_key(a): fixed for a in (plain, lean)}
+    models[configuration_key(args)] = {**fixed, **(costs or {})}
+    (tmp_path / "costs.json").write_text(json.dumps(models))
     return run_once(args, load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir), seed, progress=False)
 
 
@@ -177,6 +183,23 @@ def test_a_memory_slower_than_the_stream_is_thinned_and_the_lag_holds(tmp_path, 
     assert again["realtime"] == rt and again["anytime_accuracy"] == run["anytime_accuracy"]  # the draws are seeded
     cheap = realtime_run(tmp_path, cache_dir, "--stream-rate", "4x", "--max-lag", "0.5")["realtime"]
     assert cheap["skipped"] > 0 and cheap["thinned"] == 0  # 1 ms a sample: the memory keeps up
+
+
+def test_behind_the_stream_a_costly_learner_steps_lean_and_trains_on_more_of_it(tmp_path, cache_dir):
+    # augmentation + 2 iterations priced at 2.5x ER-ACE's step: at 2x ER's pace, behind by half the
+    # bound it steps as ER-ACE (priced as ER-ACE's step), so it trains on more of the stream
+    options = ("--augment", "--iterations", "2", "--stream-rate", "2x", "--max-lag", "0.5")
+    full = realtime_run(tmp_path, cache_dir, *options, costs={"step_s": 0.25})["realtime"]
+    run = realtime_run(tmp_path, cache_dir, *options, "--lean-when-behind", costs={"step_s": 0.25})
+    lean = run["realtime"]
+    assert full["lean_steps"] == 0 and 0 < lean["lean_steps"] <= run["steps"]
+    assert lean["trained"] > 1.5 * full["trained"] and lean["trained"] + lean["skipped"] + lean["unseen"] == 1000
+    assert lean["cost_model"]["lean_step_s"] == 0.1 and lean["lean_when_behind"]
+    clock = 1000 / lean["stream_rate"] + 0.25  # the stream's length and a step past it bound the work done
+    work = 0.1 * lean["lean_steps"] + 0.25 * (run["steps"] - lean["lean_steps"]) + 0.001 * lean["skipped"]
+    assert work <= clock + 1e-9
+    again = realtime_run(tmp_path, cache_dir, *options, "--lean-when-behind", costs={"step_s": 0.25})
+    assert again["realtime"] == lean and again["anytime_accuracy"] == run["anytime_accuracy"]
 
 
 def assert_the_table_reports(queue: dict, bounded: dict) -> None:

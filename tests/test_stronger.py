@@ -69,6 +69,25 @@ def test_repeated_rehearsal_takes_n_steps_with_n_draws(cifar10_slice, method):
     assert learner.steps == 31  # steps count incoming batches
 
 
+@pytest.mark.parametrize("method", ["er", "aser-mu"])
+def test_a_lean_step_is_one_step_without_augmentation_and_is_counted(cifar10_slice, method):
+    learner = make_learner(method, 10, mem_size=100, loss="ace", iterations=3, augment=True, seed=1)
+    learner.retrieval_policy = counting = CountingRetrieval(learner.retrieval_policy)
+    x, y = cifar10_slice.train_x, cifar10_slice.train_y
+    for i in range(0, 300, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    before, draws, augment = learner.version, len(counting.draws), learner.augment.state_dict()["generator"]
+    stats = learner.observe(x[300:310], y[300:310], lean=True)
+    assert learner.version - before == 1 and len(counting.draws) - draws == 1 and stats["replayed"] == 10
+    assert torch.equal(learner.augment.state_dict()["generator"], augment)  # no crop or flip drawn
+    assert learner.lean_steps == 1 and learner.steps == 31
+    restored = make_learner(method, 10, mem_size=100, loss="ace", iterations=3, augment=True, seed=1)
+    restored.load_state_dict(learner.state_dict())
+    assert restored.lean_steps == 1
+    learner.observe(x[310:320], y[310:320])  # the next step takes its full form again
+    assert learner.version - before == 4 and learner.lean_steps == 1
+
+
 def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):
     decay = 0.9
     learner = make_learner("er", 10, mem_size=50, ema_decay=decay, seed=2)

@@ -141,7 +141,8 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
     result["anytime_accuracy"] = run["anytime"]
     result["average_anytime_accuracy"] = sum(run["anytime"]) / len(run["anytime"])
     result["realtime"] = {"stream_rate": round(float(rate), 3), "stream_rate_arg": str(args.stream_rate),
-                          "max_lag_s": args.max_lag, "idle_rehearsal": args.idle_rehearsal,
+                          "max_lag_s": args.max_lag, "lean_when_behind": args.lean_when_behind,
+                          "idle_rehearsal": args.idle_rehearsal,
                           "rehearsal_share": args.rehearsal_share, "catch_up_memory_share": args.catch_up_memory_share,
                           "cost_model": costs, **counts,
                           **{f"{k}_share": round(counts[k] / stream.n, 4)
@@ -152,6 +153,10 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
 def stream_costs(args, data: ImageDataset, device: torch.device) -> tuple[dict, float]:
     """The configuration's cost model and the stream's rate in samples/s (calibrating what is absent)."""
     costs = cost_model(args, lambda: build_learner(args, data, device, 0), data, _command())
+    if args.lean_when_behind:  # a lean step costs what the configuration without the step's options costs
+        lean = argparse.Namespace(**{**vars(args), "iterations": 1, "augment": False})
+        costs = {**costs, "lean_step_s": cost_model(lean, lambda: build_learner(lean, data, device, 0), data,
+                                                    _command())["step_s"]}
     rate = args.stream_rate
     if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
         er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
@@ -393,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--catch-up-memory-share", type=float, default=MEMORY_SHARE, metavar="F",
                      help="with --max-lag: the most of the learner's time that skipped samples' memory updates "
                           "may take; beyond it skipped samples are thinned (learner.catch_up)")
+    run.add_argument("--lean-when-behind", action="store_true",
+                     help="with --max-lag: while the oldest waiting sample is older than S/2, take the method's "
+                          "cheapest step (one iteration, no augmentation; priced as that configuration)")
     run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
     run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
     run.add_argument("--cost-model", default="results/realtime/cost-model.json",

@@ -9,7 +9,8 @@ of the stream (Ghunaim et al., CVPR 2023). At each moment the learner, like the 
 - over the lag bound (`--max-lag S`: the oldest waiting sample is older than S), skips the
   samples older than S/2: no gradient step, and the memory update only while those updates keep
   within `--catch-up-memory-share` of its time, the rest thinned (`learner.catch_up`);
-- else trains on the next full batch, if one has arrived;
+- else trains on the next full batch, if one has arrived (with `--lean-when-behind`, in the
+  method's cheapest form while the oldest waiting sample is older than S/2, priced as that form);
 - else, with `--idle-rehearsal`, takes a replay-only step within `--rehearsal-share` of its time;
 - else waits for the next arrival.
 
@@ -138,7 +139,7 @@ def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
     catch_up = CatchUp(bound, args.catch_up_memory_share, b) if bound else None
     points = schedule(stream)
     t, nxt, next_point = 0.0, 0, 0
-    counts = {"trained": 0, "skipped": 0, "thinned": 0, "rehearsal_steps": 0}
+    counts = {"trained": 0, "skipped": 0, "thinned": 0, "rehearsal_steps": 0, "lean_steps": 0}
     end = stream.arrival(stream.n - 1)
     while True:
         while next_point < len(points) and points[next_point][0] <= t:  # the model as it is now
@@ -158,8 +159,10 @@ def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
             nxt = upto
         elif waiting >= b or (waiting and arrived == stream.n):
             upto = min(nxt + b, arrived)
-            learner.observe(stream.x[nxt:upto], stream.y[nxt:upto])
-            t += costs["step_s"]
+            lean = bool(args.lean_when_behind and catch_up and catch_up.behind(t, stream.arrival(nxt)))
+            learner.observe(stream.x[nxt:upto], stream.y[nxt:upto], lean=lean)
+            t += costs["lean_step_s"] if lean else costs["step_s"]
+            counts["lean_steps"] += lean
             counts["trained"] += upto - nxt
             nxt = upto
         elif args.idle_rehearsal and learner.rehearse() is not None:

@@ -62,6 +62,9 @@ def run_label(result: dict) -> str:
     >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "2x", "max_lag_s": 60.0,
     ...                                                         "idle_rehearsal": False}})
     'er (rate 2x, lag 60 s)'
+    >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "4x", "max_lag_s": 10.0,
+    ...                                                         "lean_when_behind": True, "idle_rehearsal": False}})
+    'er (rate 4x, lag 10 s, lean when behind)'
     """
     settings = result.get("settings", {})
     modes = [settings[k] for k, default in (("step", "joint"), ("loss", "ce")) if settings.get(k, default) != default]
@@ -83,6 +86,7 @@ def run_label(result: dict) -> str:
         share = rt.get("catch_up_memory_share", MEMORY_SHARE)  # the default, in files written before it
         modes.append(f"rate {rt['stream_rate_arg']}" + (f", lag {rt['max_lag_s']:g} s" if rt["max_lag_s"] else "")
                      + (f", memory share {share:g}" if rt["max_lag_s"] and share != MEMORY_SHARE else "")
+                     + (", lean when behind" if rt.get("lean_when_behind") else "")
                      + (", idle rehearsal" if rt["idle_rehearsal"] else ""))
     return result["method"] + (f" ({', '.join(modes)})" if modes else "")
 
@@ -149,6 +153,8 @@ REALTIME_COLUMNS = (  # the real-time protocol's: accuracy along the stream, and
     ("thinned (%)", stream_share("thinned")),
     ("unseen at the end (%)", stream_share("unseen")),
     ("rehearsal steps", lambda r: r["realtime"]["rehearsal_steps"] if r.get("realtime") else None),
+    ("lean steps (%)", lambda r: 100 * r["realtime"].get("lean_steps", 0) / max(1, r.get("steps") or 0)
+     if r.get("realtime") else None),
 )
 
 

@@ -20,7 +20,8 @@ value or a list, and the block stands for every combination:
     seed = "0-14"                 # a list, or a range "a-b"
 
 Other keys of a block (lr, ...) are passed to `run` as they are (true: a flag alone) and do not enter
-the file names, except the real-time protocol's (stream_rate, max_lag, catch_up_memory_share, idle_rehearsal).
+the file names, except the real-time protocol's (stream_rate, max_lag, catch_up_memory_share, lean_when_behind,
+idle_rehearsal).
 Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-aug][-it<N>][-ema<D>][-n<N>][-m<M>]-seed<s>.json
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
@@ -89,6 +90,9 @@ class RunSpec:
         >>> RunSpec("cifar10", "er", 1000, "joint", "ace", "fp32", 0,
         ...         extra=(("idle_rehearsal", True), ("max_lag", 60), ("stream_rate", "2x"))).file_name()
         'er-ace-rate2x-lag60-idle-m1000-seed0.json'
+        >>> RunSpec("cifar10", "er", 1000, "joint", "ace", "fp32", 0, True, 2, 0.99,
+        ...         extra=(("lean_when_behind", True), ("max_lag", 10), ("stream_rate", "4x"))).file_name()
+        'er-ace-aug-it2-ema0.99-rate4x-lag10-lean-m1000-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -103,6 +107,8 @@ class RunSpec:
             parts.append(f"lag{extra['max_lag']:g}")
         if "catch_up_memory_share" in extra:
             parts.append(f"share{extra['catch_up_memory_share']:g}")
+        if extra.get("lean_when_behind"):
+            parts.append("lean")
         if extra.get("idle_rehearsal"):
             parts.append("idle")
         if self.uses_memory:

@@ -120,7 +120,8 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
     live = {"realtime": {"stream_rate": rate, "stream_rate_arg": str(args.stream_rate), "max_lag_s": st["lag"]["max_lag_s"],
                          "idle_rehearsal": st["lag"]["rehearsal_steps"] > 0, "trained": st["samples_trained"],
                          "skipped": st["lag"]["samples_skipped"], "thinned": st["lag"]["samples_thinned"],
-                         "rehearsal_steps": st["lag"]["rehearsal_steps"],
+                         "rehearsal_steps": st["lag"]["rehearsal_steps"], "lean_steps": st["lag"]["lean_steps"],
+                         "lean_when_behind": st["lag"]["lean_steps"] > 0,
                          "unseen": received - st["samples_trained"] - st["lag"]["samples_skipped"]}} if rate else {}
     return {**live,
         "method": st["method"],
