@@ -74,8 +74,9 @@ class ContinualLearner:
     def observe(self, images: torch.Tensor, labels: torch.Tensor, lean: bool = False) -> dict:
         """Learn from one incoming mini-batch B_n (seen once). Returns step statistics.
 
-        `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation),
-        for a learner behind its stream (`learner.catch_up`): more of the stream gets a step."""
+        `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation, the
+        memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
+        the stream gets a step."""
         if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != self.image_shape:
             raise ValueError(f"expected uint8 images [b, {', '.join(map(str, self.image_shape))}], "
                              f"got {images.dtype} {tuple(images.shape)}")
@@ -95,20 +96,21 @@ class ContinualLearner:
     def _lean_observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         return self._observe(images, labels)  # a method without costly options has one form
 
-    def pass_through(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int | None = None) -> None:
+    def pass_through(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int | None = None,
+                     lean: bool = False) -> None:
         """Let samples the learner has no time to train on reach the memory only: no gradient
         step, but the memory update sees them as it sees every sample (so the memory keeps
         sampling the whole stream), `batch_size` at a time (the stream's batch: KNN-SV then scores
-        a skipped sample among as many candidates as a trained one). A learner without a memory
-        only counts them."""
+        a skipped sample among as many candidates as a trained one); `lean`: through the update's
+        lean form, as a lean step would. A learner without a memory only counts them."""
         images, labels = images.to(self.device), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
-            self._pass_through(images[i:i + step], labels[i:i + step])
+            self._pass_through(images[i:i + step], labels[i:i + step], lean)
         self.samples_skipped += images.shape[0]
 
-    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor, lean: bool) -> None:
         pass
 
     def skip(self, labels: torch.Tensor) -> None:

@@ -10,7 +10,9 @@ holds at most `memory_share x bound_s`. Beyond it, only as many of a chunk as th
 for, drawn at random, reach the memory; the others are counted and nothing more (thinned).
 Before that, while the oldest waiting sample is past the cutoff (`behind`), a caller may take lean
 steps (`observe(..., lean=True)`: the bare method's step, without repeated rehearsal or
-augmentation), so that a costly learner trains on more of the stream rather than skipping it.
+augmentation, with the memory policies' lean forms), so that a costly learner trains on more of the
+stream rather than skipping it; its skipped samples then reach the memory through the lean update
+too (`skip(..., lean=True)`: for ASER's memory the reservoir, which never meets the cap).
 
 Why a cap: the reservoir's update costs microseconds a sample and never meets it, but ASER's
 KNN-SV update costs about 3 ms a sample on one CPU thread (results/realtime/cost-model.json),
@@ -82,10 +84,11 @@ class CatchUp:
         return now - self.bound_s / 2
 
     def skip(self, learner, now: float, labels: torch.Tensor, images_of: Callable[[torch.Tensor], torch.Tensor],
-             seconds_per_sample: float | None = None) -> Skipped:
+             seconds_per_sample: float | None = None, lean: bool = False) -> Skipped:
         """Skip the samples of `labels`: those the allowance pays for reach `learner.pass_through`
-        (`images_of(indices)` gives their images), the others `learner.skip`. `seconds_per_sample`
-        is a cost model's (the benchmark); without one the pass is timed (the worker)."""
+        (`images_of(indices)` gives their images; `lean`: its lean form), the others `learner.skip`.
+        `seconds_per_sample` is a cost model's (the benchmark); without one the pass is timed (the
+        worker, whose lean setting does not change while it runs)."""
         import torch
 
         self._fill(now)
@@ -98,7 +101,7 @@ class CatchUp:
         seconds = 0.0
         if affordable:
             t0 = time.perf_counter()
-            learner.pass_through(images_of(chosen), labels[chosen], self.batch_size)
+            learner.pass_through(images_of(chosen), labels[chosen], self.batch_size, lean)
             measured = time.perf_counter() - t0
             seconds = seconds_per_sample * affordable if seconds_per_sample is not None else measured
             self._seconds_per_sample = seconds / affordable

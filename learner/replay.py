@@ -14,7 +14,10 @@ Two options compose with every policy pair:
 - `augment` (`learner.augment`): the incoming and replayed images of each step are cropped and
   flipped afresh; the memory stores the incoming samples as they came.
 A lean step (`observe(..., lean=True)`, for a learner behind its stream) takes neither: one step,
-as the bare method.
+with the policies' lean forms (`lean_policies`, `learner.methods.LEAN_POLICIES`: ASER's KNN-SV
+update and ASV retrieval give way to the reservoir and random draws, which need no feature pass),
+so it costs what ER's step costs. Samples skipped behind the stream reach the memory through the
+lean update too (`pass_through(..., lean=True)`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class ReplayLearner(ContinualLearner):
     def __init__(self, num_classes: int, update: MemoryUpdate, retrieval: MemoryRetrieval, mem_size: int,
                  replay_batch: int = 10, exclude_current_task: bool = False,
                  objective: ReplayObjective = ReplayObjective(), iterations: int = 1,
-                 augment: BatchAugment | None = None, **kwargs):
+                 augment: BatchAugment | None = None,
+                 lean_policies: tuple[MemoryUpdate, MemoryRetrieval] | None = None, **kwargs):
         super().__init__(num_classes, **kwargs)
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
@@ -43,6 +47,7 @@ class ReplayLearner(ContinualLearner):
         self.objective = objective
         self.update_policy = update
         self.retrieval_policy = retrieval
+        self.lean_update, self.lean_retrieval = lean_policies or (update, retrieval)
         self.replay_batch = replay_batch
         self.exclude_current_task = exclude_current_task
         self.buffer = ReplayBuffer(mem_size, self.image_shape, self.device)
@@ -54,23 +59,26 @@ class ReplayLearner(ContinualLearner):
             eligible = ~torch.isin(self.buffer.labels, self.current_task_classes)
         return self.step_context(self.buffer, eligible)
 
-    def retrieve(self, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def retrieve(self, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext,
+                 policy: MemoryRetrieval | None = None) -> torch.Tensor:
         if len(self.buffer) == 0 or self.replay_batch == 0:
             return torch.zeros(0, dtype=torch.long, device=self.device)
-        return self.retrieval_policy.retrieve(self.buffer, images, labels, self.replay_batch, ctx)
+        return (policy or self.retrieval_policy).retrieve(self.buffer, images, labels, self.replay_batch, ctx)
 
     def _observe(self, images, labels):
-        return self._steps(images, labels, self.iterations, self.augment)
+        return self._steps(images, labels, self.iterations, self.augment, self.update_policy, self.retrieval_policy)
 
     def _lean_observe(self, images, labels):
-        """One step without augmentation: the bare method's cost, whatever the options."""
-        return self._steps(images, labels, 1, None)
+        """One step without augmentation, with the policies' lean forms: ER's cost, whatever the
+        method and its options."""
+        return self._steps(images, labels, 1, None, self.lean_update, self.lean_retrieval)
 
-    def _steps(self, images, labels, iterations: int, augment: BatchAugment | None) -> dict:
+    def _steps(self, images, labels, iterations: int, augment: BatchAugment | None, update: MemoryUpdate,
+               retrieval: MemoryRetrieval) -> dict:
         ctx = self.context()
         replayed, incoming = 0, 0
         for _ in range(iterations):
-            slots = self.retrieve(images, labels, ctx)
+            slots = self.retrieve(images, labels, ctx, retrieval)
             replay_x, replay_y = self.buffer.images[slots], self.buffer.labels[slots]
             x, rx = (images, replay_x) if augment is None else (augment(images), augment(replay_x))
             loss = self.optimize(lambda: self.objective(self.forward_logits, x, labels, rx, replay_y))
@@ -79,12 +87,12 @@ class ReplayLearner(ContinualLearner):
             # old ones under ACE, whose incoming term masks every absent class. A tensor, like the loss:
             # reading it here would wait for the device every step
             replayed, incoming = replayed + slots.numel(), incoming + torch.isin(replay_y, labels).sum()
-        self.update_policy.update(self.buffer, images, labels, ctx)
+        update.update(self.buffer, images, labels, ctx)
         ctx.stats.update(loss=loss, replayed=replayed, replayed_incoming=incoming)
         return ctx.stats
 
-    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        self.update_policy.update(self.buffer, images, labels, self.context())
+    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor, lean: bool) -> None:
+        (self.lean_update if lean else self.update_policy).update(self.buffer, images, labels, self.context())
 
     def _rehearse(self) -> dict | None:
         """A step on a random draw of twice the replay batch (the size of a stream step's batch),

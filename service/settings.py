@@ -96,7 +96,8 @@ class Settings(BaseSettings):
                                          "random part of them skip the memory too (thinned; learner.catch_up)")
     lean_when_behind: bool = Field(False, description="while the oldest untrained sample is older than half of "
                                    "ASER_MAX_LAG_S, train with the method's cheapest step (one iteration, no "
-                                   "augmentation), so a costly learner trains on more of the stream than it skips")
+                                   "augmentation; ASER's memory policies give way to the reservoir and random "
+                                   "draws), so a costly learner trains on more of the stream than it skips")
     idle_rehearsal: bool = Field(False, description="replay-only steps from the memory while no batch is due")
     idle_rehearsal_share: float = Field(0.5, gt=0, le=1, description="the most of the worker's time idle rehearsal "
                                         "may take (it pauses between its steps to stay under it)")

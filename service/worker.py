@@ -301,7 +301,8 @@ class LearnerWorker:
         self.consistent = False
         done = self.catch_up.skip(self.learner, time.monotonic(), torch.tensor([e.class_id for e in entries]),
                                   lambda idx: images_from_blobs([entries[i].image for i in idx.tolist()],
-                                                                self.image_shape))
+                                                                self.image_shape),
+                                  lean=self.settings.lean_when_behind)  # over the bound is behind: lean
         self.trained_upto = entries[-1].seq
         self.consistent = True
         self._in_step = []

@@ -69,23 +69,55 @@ def test_repeated_rehearsal_takes_n_steps_with_n_draws(cifar10_slice, method):
     assert learner.steps == 31  # steps count incoming batches
 
 
-@pytest.mark.parametrize("method", ["er", "aser-mu"])
-def test_a_lean_step_is_one_step_without_augmentation_and_is_counted(cifar10_slice, method):
+class CountingExtract:
+    """Wraps a learner's feature pass and counts the images it sees."""
+
+    def __init__(self, learner):
+        self.inner, self.images = learner.extract, 0
+        learner.extract = self
+
+    def __call__(self, images, *args, **kwargs):
+        self.images += len(images)
+        return self.inner(images, *args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["er", "aser-mu", "sv-upd"])
+def test_a_lean_step_is_one_step_of_the_lean_form_and_is_counted(cifar10_slice, method):
+    # ASER's memory policies give way to the reservoir and random draws: no feature pass, ER's cost
     learner = make_learner(method, 10, mem_size=100, loss="ace", iterations=3, augment=True, seed=1)
-    learner.retrieval_policy = counting = CountingRetrieval(learner.retrieval_policy)
+    if method != "er":
+        assert (learner.lean_update.name, learner.lean_retrieval.name) == ("reservoir", "random")
+    learner.lean_retrieval = counting = CountingRetrieval(learner.lean_retrieval)
     x, y = cifar10_slice.train_x, cifar10_slice.train_y
     for i in range(0, 300, 10):
         learner.observe(x[i:i + 10], y[i:i + 10])
-    before, draws, augment = learner.version, len(counting.draws), learner.augment.state_dict()["generator"]
+    features = CountingExtract(learner)
+    before, augment, seen = learner.version, learner.augment.state_dict()["generator"], learner.buffer.n_seen
     stats = learner.observe(x[300:310], y[300:310], lean=True)
-    assert learner.version - before == 1 and len(counting.draws) - draws == 1 and stats["replayed"] == 10
+    assert learner.version - before == 1 and len(counting.draws) == 1 and stats["replayed"] == 10
     assert torch.equal(learner.augment.state_dict()["generator"], augment)  # no crop or flip drawn
+    assert features.images == 0 and learner.buffer.n_seen == seen + 10  # the memory saw them, unscored
     assert learner.lean_steps == 1 and learner.steps == 31
     restored = make_learner(method, 10, mem_size=100, loss="ace", iterations=3, augment=True, seed=1)
     restored.load_state_dict(learner.state_dict())
     assert restored.lean_steps == 1
     learner.observe(x[310:320], y[310:320])  # the next step takes its full form again
-    assert learner.version - before == 4 and learner.lean_steps == 1
+    assert learner.version - before == 4 and learner.lean_steps == 1 and len(counting.draws) == 1
+    assert (features.images > 0) == (method != "er")  # ASER's policies score in the latent space again
+
+
+def test_skipped_samples_reach_asers_memory_through_the_reservoir_when_lean(cifar10_slice):
+    learner = make_learner("sv-upd", 10, mem_size=50, loss="ace", seed=3)
+    x, y = cifar10_slice.train_x, cifar10_slice.train_y
+    for i in range(0, 100, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    features, memory = CountingExtract(learner), learner.buffer.images.clone()
+    learner.pass_through(x[100:400], y[100:400], 10, lean=True)
+    assert features.images == 0 and learner.buffer.n_seen == 400 and learner.samples_skipped == 300
+    replaced = (learner.buffer.images != memory).flatten(1).any(1).sum().item()
+    assert 10 < replaced < 50  # reservoir: each of the 300 kept w.p. 50/n, about 30 slots in all
+    learner.pass_through(x[400:410], y[400:410], 10)
+    assert features.images > 0  # not lean: KNN-SV scores them
 
 
 def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):

@@ -24,7 +24,7 @@ import torch
 from learner import METHODS, make_learner
 from learner.catch_up import MEMORY_SHARE
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
-from learner.methods import IID_EPOCHS, REPLAY_METHODS, shapley_settings
+from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings
 from learner.ncm import memory_ncm
 from learner.objective import LOSSES, STEPS
 
@@ -153,10 +153,11 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
 def stream_costs(args, data: ImageDataset, device: torch.device) -> tuple[dict, float]:
     """The configuration's cost model and the stream's rate in samples/s (calibrating what is absent)."""
     costs = cost_model(args, lambda: build_learner(args, data, device, 0), data, _command())
-    if args.lean_when_behind:  # a lean step costs what the configuration without the step's options costs
-        lean = argparse.Namespace(**{**vars(args), "iterations": 1, "augment": False})
-        costs = {**costs, "lean_step_s": cost_model(lean, lambda: build_learner(lean, data, device, 0), data,
-                                                    _command())["step_s"]}
+    if args.lean_when_behind:  # a lean step, and a skip behind, cost what its lean form's do
+        lean = argparse.Namespace(**{**vars(args), "method": lean_method(args.method), "iterations": 1,
+                                     "augment": False})
+        form = cost_model(lean, lambda: build_learner(lean, data, device, 0), data, _command())
+        costs = {**costs, "lean_step_s": form["step_s"], "lean_skip_s_per_sample": form["skip_s_per_sample"]}
     rate = args.stream_rate
     if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
         er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
@@ -400,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "may take; beyond it skipped samples are thinned (learner.catch_up)")
     run.add_argument("--lean-when-behind", action="store_true",
                      help="with --max-lag: while the oldest waiting sample is older than S/2, take the method's "
-                          "cheapest step (one iteration, no augmentation; priced as that configuration)")
+                          "cheapest step (one iteration, no augmentation, ASER's memory policies' lean forms: "
+                          "learner.methods.lean_method; priced as that configuration)")
     run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
     run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
     run.add_argument("--cost-model", default="results/realtime/cost-model.json",

@@ -10,7 +10,8 @@ of the stream (Ghunaim et al., CVPR 2023). At each moment the learner, like the 
   samples older than S/2: no gradient step, and the memory update only while those updates keep
   within `--catch-up-memory-share` of its time, the rest thinned (`learner.catch_up`);
 - else trains on the next full batch, if one has arrived (with `--lean-when-behind`, in the
-  method's cheapest form while the oldest waiting sample is older than S/2, priced as that form);
+  method's cheapest form while the oldest waiting sample is older than S/2, priced as that form,
+  `learner.methods.lean_method`, whose memory update the skipped samples then take too);
 - else, with `--idle-rehearsal`, takes a replay-only step within `--rehearsal-share` of its time;
 - else waits for the next arrival.
 
@@ -151,8 +152,9 @@ def simulate(learner, stream: Stream, costs: dict, args, evaluate_at) -> dict:
         waiting = arrived - nxt
         if waiting and catch_up and catch_up.due(t, stream.arrival(nxt)):
             upto = max(min(stream.arrived(catch_up.cutoff(t)), nxt + CHUNK), nxt + 1)
+            lean = bool(args.lean_when_behind)  # over the bound is behind: the lean update, at its price
             done = catch_up.skip(learner, t, stream.y[nxt:upto], lambda idx, at=nxt: stream.x[at + idx],
-                                 costs["skip_s_per_sample"])
+                                 costs["lean_skip_s_per_sample" if lean else "skip_s_per_sample"], lean)
             t += done.seconds
             counts["skipped"] += upto - nxt
             counts["thinned"] += done.thinned
