@@ -28,13 +28,14 @@ from learner.catch_up import MEMORY_SHARE
 
 # the settings that decide how a lineage trains (its checkpoints' identity)
 LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations")
-# The stronger learner's options where unset: on where the evidence earned it. ER-ACE with all three
-# gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired seeds, 2.1x ER's step);
-# under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default, but the moving average
-# alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost): sv-upd serves it (docs/results.md).
-OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0}
-TUNED_DEFAULTS = {"er": {"augment": True, "iterations": 2, "ema": 0.99},
-                  "sv-upd": {**OPTIONS_OFF, "ema": 0.99}}
+# The learner's options where unset: on where the evidence earned it (docs/results.md). ER-ACE with the
+# stronger learner's three gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired
+# seeds, 2.1x ER's step); under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default,
+# but the moving average alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost), and
+# behind a stream at 2x / 4x ER's pace lean steps add +22.3 +- 5.2 / +22.6 +- 4.9 (3 paired seeds).
+OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False}
+TUNED_DEFAULTS = {"er": {**OPTIONS_OFF, "augment": True, "iterations": 2, "ema": 0.99},
+                  "sv-upd": {**OPTIONS_OFF, "ema": 0.99, "lean_when_behind": True}}
 
 
 class Settings(BaseSettings):
@@ -94,10 +95,11 @@ class Settings(BaseSettings):
     catch_up_memory_share: float = Field(MEMORY_SHARE, gt=0, le=1, description="over the lag bound, the most of the "
                                          "worker's time the skipped samples' memory updates may take; beyond it a "
                                          "random part of them skip the memory too (thinned; learner.catch_up)")
-    lean_when_behind: bool = Field(False, description="while the oldest untrained sample is older than half of "
-                                   "ASER_MAX_LAG_S, train with the method's cheapest step (one iteration, no "
-                                   "augmentation; ASER's memory policies give way to the reservoir and random "
-                                   "draws), so a costly learner trains on more of the stream than it skips")
+    lean_when_behind: bool | None = Field(None, description="while the oldest untrained sample is older than half "
+                                          "of ASER_MAX_LAG_S, train with the method's cheapest step (one iteration, "
+                                          "no augmentation; ASER's memory policies give way to the reservoir and "
+                                          "random draws), so a costly learner trains on more of the stream than it "
+                                          "skips (unset: on for sv-upd, off for the others)")
     idle_rehearsal: bool = Field(False, description="replay-only steps from the memory while no batch is due")
     idle_rehearsal_share: float = Field(0.5, gt=0, le=1, description="the most of the worker's time idle rehearsal "
                                         "may take (it pauses between its steps to stay under it)")
@@ -184,12 +186,14 @@ class Settings(BaseSettings):
         return {k: v for k, v in chosen.items() if v is not None}
 
     def option(self, name: str) -> bool | int | float:
-        """A stronger-learner option as set, else its method's default (TUNED_DEFAULTS).
+        """A learner option (OPTIONS_OFF's) as set, else its method's default (TUNED_DEFAULTS).
 
         >>> Settings(method="er").option("iterations"), Settings(method="sv-upd").option("iterations")
         (2, 1)
         >>> Settings(method="er", ema=0).option("ema")
         0.0
+        >>> Settings().option("lean_when_behind"), Settings(method="aser-mu").option("lean_when_behind")
+        (True, False)
         """
         value = getattr(self, name)
         return value if value is not None else TUNED_DEFAULTS.get(self.method, OPTIONS_OFF)[name]

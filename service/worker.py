@@ -132,6 +132,7 @@ class LearnerWorker:
         self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
         self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size) if settings.max_lag_s else None
         self._follow_lineage()
+        self.lean_when_behind = bool(settings.option("lean_when_behind"))  # of the method the lineage has
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
         self.history = History(db)
@@ -253,7 +254,7 @@ class LearnerWorker:
             return True
         if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
             return False  # wait for a full batch a little longer
-        lean = bool(self.settings.lean_when_behind and self.catch_up
+        lean = bool(self.lean_when_behind and self.catch_up
                     and self.catch_up.behind(time.time(), entries[0].received))
         entries = self._set_aside_poison(entries)
         if entries:
@@ -302,7 +303,7 @@ class LearnerWorker:
         done = self.catch_up.skip(self.learner, time.monotonic(), torch.tensor([e.class_id for e in entries]),
                                   lambda idx: images_from_blobs([entries[i].image for i in idx.tolist()],
                                                                 self.image_shape),
-                                  lean=self.settings.lean_when_behind)  # over the bound is behind: lean
+                                  lean=self.lean_when_behind)  # over the bound is behind: lean
         self.trained_upto = entries[-1].seq
         self.consistent = True
         self._in_step = []

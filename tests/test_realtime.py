@@ -77,7 +77,7 @@ def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "aser_lag_seconds 0.0" in metrics and "aser_samples_skipped_total" in metrics
         assert f"aser_samples_thinned_total {float(lag['samples_thinned'])}" in metrics
-        assert lag["lean_steps"] == 0
+        assert lag["lean_steps"] == 0 and lag["lean_when_behind"] is False  # ASER_mu's default: off
 
         # lean steps while behind from now on (ASER_mu's lean form is ER's step, its skipped samples go
         # through the reservoir: none thinned); a second burst, and a SIGKILL in the middle of catching
@@ -88,6 +88,7 @@ def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped
         with ServiceClient(server.url) as client:
             client.stream_samples(samples[600:])
         time.sleep(2 * bound)
+        assert status(server)["lag"]["lean_when_behind"] is True
         behind = status(server)["lag"]["lean_steps"]  # then the process's counter, a step later at most
         counted = re.search(r"^aser_lean_steps_total (\S+)$", httpx.get(f"{server.url}/metrics").text, re.M)
         assert 0 < behind <= float(counted.group(1))

@@ -281,5 +281,6 @@ def test_a_data_directory_of_the_previous_default_goes_on_serving_the_average(tm
         st = httpx.get(f"{default.url}/status").json()
         assert st["method"] == "sv-upd" and st["samples_trained"] == len(samples)
         assert st["config"]["ema_decay"] == 0.99 and "augment" not in st["config"]
+        assert st["lag"]["lean_when_behind"] is True  # the default's lean steps behind the stream
     finally:
         default.stop()

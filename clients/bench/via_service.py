@@ -121,7 +121,7 @@ def run_via(args, data: ImageDataset, seed: int, bar) -> dict:
                          "idle_rehearsal": st["lag"]["rehearsal_steps"] > 0, "trained": st["samples_trained"],
                          "skipped": st["lag"]["samples_skipped"], "thinned": st["lag"]["samples_thinned"],
                          "rehearsal_steps": st["lag"]["rehearsal_steps"], "lean_steps": st["lag"]["lean_steps"],
-                         "lean_when_behind": st["lag"]["lean_steps"] > 0,
+                         "lean_when_behind": st["lag"]["lean_when_behind"],
                          "unseen": received - st["samples_trained"] - st["lag"]["samples_skipped"]}} if rate else {}
     return {**live,
         "method": st["method"],

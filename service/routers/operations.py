@@ -60,6 +60,8 @@ class Lag(BaseModel):
     samples_thinned: int = Field(description="of them, those that did not reach the memory update either "
                                  "(ASER_CATCH_UP_MEMORY_SHARE)")
     rehearsal_steps: int = Field(description="replay-only steps taken while the stream was idle")
+    lean_when_behind: bool = Field(description="whether the worker steps in the method's cheapest form while behind "
+                                   "(ASER_LEAN_WHEN_BEHIND, or the method's default)")
     lean_steps: int = Field(description="stream steps taken in the method's cheapest form, the worker being behind "
                             "(ASER_LEAN_WHEN_BEHIND)")
 
@@ -126,7 +128,8 @@ def status(rt: Runtime) -> dict:
         "device": worker.device,
         "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": backlog,
                 "max_lag_s": rt.settings.max_lag_s, "samples_skipped": p.samples_skipped,
-                "samples_thinned": p.samples_thinned, "rehearsal_steps": p.rehearsal_steps, "lean_steps": p.lean_steps},
+                "samples_thinned": p.samples_thinned, "rehearsal_steps": p.rehearsal_steps,
+                "lean_when_behind": worker.lean_when_behind, "lean_steps": p.lean_steps},
         "storage": storage(rt),
         "uptime_s": round(time.time() - rt.started, 1),
     }
