@@ -91,6 +91,7 @@ def test_via_paces_the_stream_at_wall_clock_rate(tmp_path, cache_dir):
         assert time.monotonic() - t0 >= 200 / 50 - 0.5  # 200 samples at 50 per second
         rt = json.loads(out.read_text())["realtime"]
         assert rt["stream_rate"] == 50 and rt["trained"] + rt["skipped"] + rt["unseen"] == 200
+        assert rt["lean_when_behind"] is True  # the service's setting as resolved (er's default)
         with pytest.raises(SystemExit, match="samples per second"):
             run(tmp_path, cache_dir, "er", tmp_path / "x.json", "--via", server.url, "--loss", "ace",
                 "--stream-rate", "2x")

@@ -300,7 +300,7 @@ def test_a_data_directory_goes_on_as_its_lineage_was_trained_where_the_settings_
     try:
         st = status(s)
         assert st["method"] == "er" and st["config"]["loss"] == "ce" and "augment" not in st["config"]
-        assert st["lag"]["lean_when_behind"] is False  # the lineage's method's default, not sv-upd's
+        assert st["lag"]["lean_when_behind"] is True  # the lineage's method's default (er's)
         assert st["samples_trained"] == 15
     finally:
         s.stop()
