@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from learner import METHODS, make_learner
+from learner.methods import REPLAY_METHODS, lean_method
 from learner.data import task_batches, task_test_set
 
 STREAM_METHODS = [m for m in METHODS if not m.startswith("iid")]
@@ -126,3 +127,13 @@ def test_state_dict_round_trip_continues_identically(method, cifar10_slice):
         assert torch.allclose(p, q, atol=1e-5)
     if hasattr(a, "buffer"):
         assert torch.equal(a.buffer.labels, b.buffer.labels)
+
+
+@pytest.mark.parametrize("method", sorted(REPLAY_METHODS))
+def test_a_methods_lean_form_is_the_method_its_lean_steps_are_priced_as(method):
+    # the real-time protocol prices a lean step as lean_method(method)'s step: the policies must be its
+    learner = make_learner(method, 10, mem_size=50)
+    update, retrieval = REPLAY_METHODS[lean_method(method)]
+    assert (learner.lean_update.name, learner.lean_retrieval.name) == (update, retrieval)
+    costly = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", "mir"}
+    assert not {update, retrieval} & costly and (lean_method(method) == method) == (not set(REPLAY_METHODS[method]) & costly)
