@@ -66,6 +66,7 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
             wait_trained(client, len(samples))
         wait(browser, lambda d: counter(d, "samples trained") == "300")
         assert counter(browser, "classes") == "2" and counter(browser, "backlog") == "0"
+        assert counter(browser, "lean steps (on)") == "0"  # er's default, none taken: it kept up
         accuracy = browser.find_element(By.ID, "chart-accuracy")
         wait(browser, lambda d: int(accuracy.get_attribute("data-points")) > 50)
         legend = browser.execute_script("return document.querySelector('#chart-accuracy .legend').innerText")

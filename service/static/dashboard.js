@@ -36,7 +36,7 @@ function counters(st) {
     ["samples received", st.samples_received], ["samples trained", st.samples_trained],
     ["backlog", st.backlog], ["lag", st.lag.seconds.toFixed(1) + " s"], ["skipped", st.lag.samples_skipped],
     ["thinned", st.lag.samples_thinned],
-    ["training steps", st.steps], ["rehearsal steps", st.lag.rehearsal_steps], ["lean steps", st.lag.lean_steps],
+    ["training steps", st.steps], ["rehearsal steps", st.lag.rehearsal_steps], [`lean steps (${st.lag.lean_when_behind ? "on" : "off"})`, st.lag.lean_steps],
     ["classes", st.classes.length],
     ["online accuracy", pct(st.online.accuracy)],
     [`last ${st.online.window} samples`, pct(st.online.window_accuracy)],
