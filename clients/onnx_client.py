@@ -2,8 +2,8 @@
 
 The snapshot's metadata says everything needed: class labels in output order, input size,
 pixel layout (the format is `learner.snapshot_format`'s; importing it does not load
-torch). Images of any size are converted to RGB and brought to the input size by the rule the
-service applies too (shorter side resized, centre square cropped). Every failure (a file that
+torch, and it needs no HTTP package: onnxruntime, numpy and Pillow are all it imports). Image files are read by the service's own input rule (`read_image`: the formats and
+modes it accepts, EXIF orientation, the centre square brought to the input size). Every failure (a file that
 is missing or not ONNX, a model that is not one of our snapshots, an image that is not one, a
 service that is down or has no such snapshot) is one line on stderr and exit status 1.
 
@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from learner.snapshot_format import OnnxSnapshot, fit_to_input, top_k
+from learner.snapshot_format import ImageRejected, OnnxSnapshot, fit_to_input, read_image, top_k
 
 
 class SnapshotError(RuntimeError):
@@ -53,50 +55,53 @@ class OnnxClassifier(OnnxSnapshot):
 
     @classmethod
     def from_service(cls, url: str, snapshot: str = "latest", token: str | None = None, **kwargs) -> "OnnxClassifier":
-        import httpx
-
+        """Download a snapshot with the standard library alone (this client needs no HTTP package)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(f"{url.rstrip('/')}/snapshots/{snapshot}", headers=headers)
         try:
-            r = httpx.get(f"{url.rstrip('/')}/snapshots/{snapshot}", headers=headers, timeout=60)
-        except httpx.HTTPError as exc:
-            raise SnapshotError(f"cannot reach the service at {url}: {exc}") from None
-        if r.status_code != 200:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return cls(r.read(), **kwargs)
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
             try:
-                detail = r.json().get("detail", r.text)
+                detail = json.loads(body).get("detail", body.decode(errors="replace"))
             except ValueError:
-                detail = r.text[:200]
-            raise SnapshotError(f"the service answered {r.status_code} for snapshot {snapshot!r}: {detail}")
-        return cls(r.content, **kwargs)
+                detail = body[:200].decode(errors="replace")
+            raise SnapshotError(f"the service answered {exc.code} for snapshot {snapshot!r}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise SnapshotError(f"cannot reach the service at {url}: {exc}") from None
 
     def pixels(self, images) -> np.ndarray:
-        """Paths, PIL images or uint8 arrays [H, W, 3] -> uint8 [n, 3, H, W] at the input size."""
+        """Paths or file objects (read by the service's own input rule, `read_image`), PIL images or
+        uint8 arrays [H, W, 3] -> uint8 [n, 3, H, W] at the input size."""
         out = []
         for img in images:
             if isinstance(img, np.ndarray):
                 img = Image.fromarray(img)
-            elif not isinstance(img, Image.Image):
-                img = open_image(img)
-            img = fit_to_input(img.convert("RGB"), self.input_shape[1])
-            out.append(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
+            if isinstance(img, Image.Image):
+                img = fit_to_input(img.convert("RGB"), self.input_shape[1])
+                out.append(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
+            else:
+                out.append(open_image(img, self.input_shape[1]))
         return np.ascontiguousarray(np.stack(out))
 
     def predict(self, images, k: int = 3) -> list[list[dict]]:
         return top_k(self.probabilities(self.pixels(images)), self.labels, k)
 
 
-def open_image(source) -> Image.Image:
-    """A path or file object as a fully decoded PIL image, or a SnapshotError naming it."""
+def open_image(source, size: int) -> np.ndarray:
+    """A path or file object read by the one input rule, as uint8 [3, size, size], or a
+    SnapshotError naming it."""
     name = getattr(source, "name", source)
     try:
-        with Image.open(source) as im:
-            im.load()
-            return im.copy()
+        data = source.read() if hasattr(source, "read") else Path(source).read_bytes()
+        return read_image(data, size)
     except FileNotFoundError:
         raise SnapshotError(f"{name}: no such file") from None
     except IsADirectoryError:
         raise SnapshotError(f"{name}: a directory, not an image") from None
-    except Exception as exc:  # PIL's UnidentifiedImageError, truncated data...
-        raise SnapshotError(f"{name}: not a readable image ({type(exc).__name__})") from None
+    except ImageRejected as exc:
+        raise SnapshotError(f"{name}: {exc.detail}") from None
 
 
 def positive(text: str) -> int:

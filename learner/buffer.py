@@ -110,6 +110,10 @@ class ReplayBuffer:
             "labels": self.labels[: self.size].cpu(),
             "n_seen": self.n_seen,
             "entered": self.entered[: self.size].clone(),
+            # the feature cache: values computed on features up to S steps old (`learner.balanced`) go on
+            # from the same features after a resume
+            **({"features": self.features[: self.size].cpu(), "feature_version": self.feature_version[: self.size].cpu()}
+               if self.features is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -126,3 +130,6 @@ class ReplayBuffer:
         if "entered" in state:  # absent from checkpoints written before it existed
             self.entered[:n] = state["entered"]
         self.feature_version.fill_(-1)
+        if "features" in state and n:
+            self.store_features(torch.arange(n, device=self.device), state["features"].to(self.device), -1)
+            self.feature_version[:n] = state["feature_version"].to(self.device)

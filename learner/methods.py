@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .agem import AGEM
 from .augment import BatchAugment
+from .balanced import VICTIM_RULES, ClassBalancedUpdate, update_name as balanced_name
 from .base import ContinualLearner
 from .ewc import EWCpp
 from .finetune import FineTune
@@ -48,13 +49,23 @@ REPLAY_METHODS = {
     "asv-mu-ret": ("reservoir", "asv-mu"),
     "dist": ("knn-sv", "dist"),
     "dist-mu": ("knn-sv", "dist-mu"),
+    # a class-balanced memory (`learner.balanced`): CBRS, and KNN-SV deciding within the class
+    "cbrs": ("cb-random", "random"),
+    "cb-sv": ("cb-value", "random"),
+    "cb-sv-duel": ("cb-duel", "random"),
+    "cb-sv-compete": ("cb-compete", "random"),
+    "cb-diverse": ("cb-diverse", "random"),
+    "cb-aser": ("cb-duel", "asv"),
+    "cb-aser-mu": ("cb-duel", "asv-mu"),
+    "cbrs-aser-mu": ("cb-random", "asv-mu"),
 }
 # A policy's lean form, for a learner behind its stream (`observe(..., lean=True)`, `learner.catch_up`):
 # those that run a feature or gradient pass of their own give way to the one that needs none, so a lean
 # step of ASER's memory costs what ER's step costs (3.8x less on one CPU thread, the cost model in
 # results/realtime/cost-model.json). The others are their own lean form.
 LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "dist": "random",
-                 "dist-mu": "random", "mir": "random"}
+                 "dist-mu": "random", "mir": "random",
+                 **{balanced_name(rule): balanced_name("random") for rule in VICTIM_RULES if rule != "random"}}
 OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline")
 METHODS = tuple(REPLAY_METHODS) + OTHER_METHODS
 IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}
@@ -63,8 +74,8 @@ IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}
 def lean_method(method: str) -> str:
     """The method whose step is `method`'s lean step (its policies' lean forms).
 
-    >>> lean_method("sv-upd"), lean_method("aser-mu"), lean_method("gss"), lean_method("ewc")
-    ('er', 'er', 'gss', 'ewc')
+    >>> lean_method("sv-upd"), lean_method("aser-mu"), lean_method("gss"), lean_method("ewc"), lean_method("cb-aser")
+    ('er', 'er', 'gss', 'ewc', 'cbrs')
     """
     if method not in REPLAY_METHODS:
         return method
@@ -76,7 +87,7 @@ def shapley_settings(method: str, dataset: str, k: int | None, n_candidates: int
     """K and N_c: explicit values win, else the paper's for the dataset (ASER_mu's for
     sv-upd, dist and dist-mu, whose table row the paper does not give)."""
     paper = PAPER_SETTINGS.get(dataset, PAPER_SETTINGS["cifar10"])
-    default = paper.aser if method in ("aser", "asv-ret") else paper.aser_mu
+    default = paper.aser if method in ("aser", "asv-ret", "cb-aser") else paper.aser_mu
     return (k or default[0], n_candidates or default[1])
 
 
@@ -85,13 +96,14 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
                  exclude_current_task: bool = False, mir_subsample: int | None = None,
                  gss_batches: int | None = None, ewc_lambda: float = 100.0,
                  per_class: int | None = None, loss: str = "ce", step: str = "joint", iterations: int = 1,
-                 augment: bool = False, **kwargs) -> ContinualLearner:
+                 augment: bool = False, feature_max_age: int = 100, **kwargs) -> ContinualLearner:
     """Build `method` for a stream with `num_classes` classes (the head's initial width).
 
     `loss` (ce | ace) and `step` (joint | separate) choose the replay methods' objective
     (`learner.objective`); `iterations` (SGD steps per incoming batch) and `augment` (crop + flip
     of every training batch) are the replay methods' repeated augmented rehearsal
-    (`learner.replay`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
+    (`learner.replay`). `feature_max_age`: the class-balanced KNN-SV rules value the memory on
+    cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
     autocast_dtype, latent_dtype, compile, ema_decay).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
@@ -119,6 +131,8 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
         "reservoir": lambda: ReservoirUpdate(),
         "gss": lambda: GSSGreedyUpdate(n_batches=gss_batches or paper.gss_batches),
         "knn-sv": lambda: KNNShapleyUpdate(k=k, per_class=per_class, n_candidates=n_candidates),
+        **{balanced_name(rule): (lambda rule=rule: ClassBalancedUpdate(rule, k=k, max_age=feature_max_age))
+           for rule in VICTIM_RULES},
     }
     retrievals = {
         "random": lambda: RandomRetrieval(),
@@ -130,6 +144,8 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     }
     update, retrieval = updates[update_name](), retrievals[retrieval_name]()
     lean_update = updates[LEAN_POLICIES[update_name]]() if update_name in LEAN_POLICIES else update
+    if isinstance(update, ClassBalancedUpdate):
+        lean_update = update.lean_form()
     lean_retrieval = retrievals[LEAN_POLICIES[retrieval_name]]() if retrieval_name in LEAN_POLICIES else retrieval
     augmenter = BatchAugment(seed=kwargs.get("seed", 0) + 1) if augment else None  # its own stream of draws
     return ReplayLearner(num_classes, update, retrieval, mem_size=mem_size, replay_batch=replay_batch,

@@ -43,6 +43,9 @@ class MemoryUpdate:
     def update(self, buffer: ReplayBuffer, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> None:
         raise NotImplementedError
 
+    def forget(self, class_id: int) -> None:
+        """A class was forgotten (its samples already left the memory): drop what is kept of it."""
+
     def state_dict(self) -> dict:
         return {}
 

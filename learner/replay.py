@@ -105,6 +105,11 @@ class ReplayLearner(ContinualLearner):
         x = self.augment(x) if self.augment is not None else x
         return {"loss": self.optimize(lambda: F.cross_entropy(self.forward_logits(x), y))}
 
+    def forget_class(self, class_id: int) -> int:
+        removed = super().forget_class(class_id)
+        self.update_policy.forget(class_id)  # a lean form shares what its full form keeps
+        return removed
+
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["buffer"] = self.buffer.state_dict()
@@ -116,6 +121,9 @@ class ReplayLearner(ContinualLearner):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.buffer.load_state_dict(state["buffer"])
+        valid = self.buffer.feature_version >= 0
+        self.buffer.feature_version[valid] += 1  # the learner's versions moved one on at the load
         self.update_policy.load_state_dict(state["update"])
+
         if self.augment is not None and "augment" in state:
             self.augment.load_state_dict(state["augment"])

@@ -18,7 +18,11 @@ exporter's own keys (model_version, steps, samples_trained, method, created).
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,15 +30,93 @@ import numpy as np
 
 INPUT_NAME = "pixels"
 OUTPUT_NAME = "logits"
-RESIZE_RULE = ("shorter side resized to the input size (bilinear, antialiased), then the centre square cropped; "
-               "an image already at the input size is taken as it is")
+RESIZE_RULE = ("EXIF orientation applied, the centre square cropped, then resized to the input size (bilinear, "
+               "antialiased); an image already at the input size is taken as it is")
 PREPROCESSING = (f"RGB image brought to the input size ({RESIZE_RULE}), pixels as uint8 in NCHW order; the graph "
                  "scales them to [0, 1] itself. Outputs are logits; softmax gives class probabilities.")
 
 
+ACCEPTED_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "BMP")  # MPO: a phone's multi-picture JPEG, its first frame
+ACCEPTED_MODES = ("RGB", "RGBA", "L", "LA", "P", "1")  # channels read as RGB without guessing (no CMYK, no 16-bit)
+MAX_PIXELS = 40_000_000  # decoded pixels of one image (a JPEG decodes at 1/2 to 1/8 scale first when it can)
+MAX_ASPECT_RATIO = 20  # longer side over shorter side
+# decoding is pixel work: at most one image a core at a time, whatever the number of requests
+_DECODES = threading.BoundedSemaphore(os.cpu_count() or 1)
+
+
+class ImageRejected(ValueError):
+    """An image the input rule refuses; `code` names why, `status` is the HTTP status a service answers."""
+
+    def __init__(self, code: str, detail: str, status: int = 422):
+        super().__init__(detail)
+        self.code, self.detail, self.status = code, detail, status
+
+
+def read_image(data: bytes, size: int, strict: bool = False) -> np.ndarray:
+    """Encoded image bytes -> uint8 [3, size, size] by the one input rule every part applies (the
+    service's ingest and predict, the replica, the ONNX client): a format of ACCEPTED_FORMATS in a
+    mode of ACCEPTED_MODES, whole (a JPEG must end with its end-of-image marker), at most MAX_PIXELS
+    decoded and MAX_ASPECT_RATIO long (both from the header, before any decoding), EXIF orientation
+    applied, then `fit_to_input`. `strict`: refuse any size but size x size. Raises ImageRejected.
+
+    >>> from PIL import Image
+    >>> buf = io.BytesIO(); Image.new("RGB", (64, 48), (255, 0, 0)).save(buf, "PNG")
+    >>> read_image(buf.getvalue(), 32).shape
+    (3, 32, 32)
+    >>> buf = io.BytesIO(); Image.new("L", (3000, 100)).save(buf, "PNG")
+    >>> try:
+    ...     read_image(buf.getvalue(), 32)
+    ... except ImageRejected as e:
+    ...     print(e.code, e.status)
+    extreme_aspect_ratio 422
+    """
+    from PIL import Image, ImageOps
+
+    if not data:
+        raise ImageRejected("empty_image", "the image is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                _check_header(im, data, size, strict)
+                if im.format in ("JPEG", "MPO"):
+                    im.draft("RGB", (size, size))  # decode at the smallest scale still >= size
+                with _DECODES:
+                    im.load()  # decodes fully: truncated or corrupt data fails here
+                    upright = ImageOps.exif_transpose(im)
+                    return np.ascontiguousarray(np.asarray(fit_to_input(upright.convert("RGB"), size),
+                                                           dtype=np.uint8).transpose(2, 0, 1))
+    except ImageRejected:
+        raise
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise ImageRejected("corrupt_image", f"the image cannot be decoded: {exc}") from exc
+
+
+def _check_header(im, data: bytes, size: int, strict: bool) -> None:
+    """Everything the header tells, refused before a pixel is decoded."""
+    (w, h), fmt = im.size, im.format
+    if fmt not in ACCEPTED_FORMATS:
+        raise ImageRejected("unsupported_format", f"image format {fmt} is not accepted; send one of "
+                            f"{', '.join(ACCEPTED_FORMATS)}", 415)
+    if im.mode not in ACCEPTED_MODES:
+        raise ImageRejected("unsupported_mode", f"image mode {im.mode} is not accepted; send 8-bit RGB, "
+                            "grayscale or palette images (no CMYK, no 16-bit)")
+    if strict and (w, h) != (size, size):
+        raise ImageRejected("wrong_shape", f"the image is {w}x{h}, this model takes {size}x{size}")
+    if min(w, h) < 1 or max(w, h) > MAX_ASPECT_RATIO * min(w, h):
+        raise ImageRejected("extreme_aspect_ratio",
+                            f"the image is {w}x{h}, more than {MAX_ASPECT_RATIO} times longer than wide")
+    reduce = 8 if fmt in ("JPEG", "MPO") else 1  # a JPEG's draft decodes at 1/8 scale when it can
+    if w * h > MAX_PIXELS * reduce * reduce or (reduce == 1 and w * h > MAX_PIXELS):
+        raise ImageRejected("too_many_pixels", f"the image is {w}x{h}, more than {MAX_PIXELS:,} pixels", 413)
+    if fmt in ("JPEG", "MPO") and not data.rstrip(b"\0").endswith(b"\xff\xd9"):
+        raise ImageRejected("corrupt_image", "the JPEG data is truncated (no end-of-image marker)")
+
+
 def fit_to_input(image, size: int):
-    """A PIL image at `size` x `size` by the one rule every part applies (RESIZE_RULE): the
-    service's ingest and predict, the replica, the ONNX client and the Python API client.
+    """A PIL image at `size` x `size` by the one rule every part applies (RESIZE_RULE): the centre
+    square is cut in the source's coordinates and only it is resized, so a long thin image costs
+    what its square costs.
 
     >>> from PIL import Image
     >>> fit_to_input(Image.new("RGB", (640, 480)), 32).size
@@ -48,10 +130,9 @@ def fit_to_input(image, size: int):
     w, h = image.size
     if (w, h) == (size, size):
         return image
-    scale = size / min(w, h)
-    resized = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
-    left, top = (resized.width - size) // 2, (resized.height - size) // 2
-    return resized.crop((left, top, left + size, top + size))
+    side = min(w, h)
+    left, top = (w - side) // 2, (h - side) // 2
+    return image.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
 
 
 def metadata_props(labels: list[str], input_size: int, extra: dict) -> dict[str, str]:

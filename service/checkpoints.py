@@ -106,8 +106,10 @@ class CheckpointStore:
         if meta is not None:
             with self.db.read() as conn:
                 rows = conn.execute("SELECT slot, class_id, image FROM buffer ORDER BY slot").fetchall()
-            if "entered" in meta:  # the slots of a forgotten class are gone from the rows
-                meta["entered"] = meta["entered"][[r["slot"] for r in rows]]
+            kept = [r["slot"] for r in rows]  # the slots of a forgotten class are gone from the rows
+            for key in ("entered", "features", "feature_version"):
+                if key in meta:
+                    meta[key] = meta[key][kept]
             state["buffer"] = {**meta, "images": images_from_blobs([r["image"] for r in rows], meta["image_shape"]),
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)

@@ -1,23 +1,17 @@
-"""Validation of what clients send: images (PNG or JPEG, also WebP and BMP) of any size within
-the byte limit, brought to image_size x image_size by the snapshot format's one rule (shorter
-side resized, centre square cropped: `learner.snapshot_format.fit_to_input`; `strict` refuses
-any other size instead), converted to RGB uint8 [3, H, W]. Bad input is an InputError.
+"""Validation of what clients send: images within the byte limit, read by the snapshot format's one
+input rule (`learner.snapshot_format.read_image`: accepted formats and modes, pixel and aspect
+bounds from the header, whole data, EXIF orientation, the centre square brought to image_size;
+`strict` refuses any other size instead) into RGB uint8 [3, H, W]. Bad input is an InputError.
 No torch here: the inference replica decodes with it too."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
-import warnings
 
 import numpy as np
-from PIL import Image
 
-from learner.snapshot_format import fit_to_input
-
-ACCEPTED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
-CONVERTIBLE_MODES = {"RGB", "RGBA", "L", "LA", "P"}  # channels we can read as RGB without guessing
+from learner.snapshot_format import ImageRejected, read_image
 
 
 class InputError(ValueError):
@@ -47,23 +41,9 @@ def decode_image(data: bytes, size: int, max_bytes: int, strict: bool = False) -
     if len(data) > max_bytes:
         raise InputError("image_too_large", f"the image has {len(data)} bytes, the limit is {max_bytes}", 413)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                fmt, mode, (w, h) = im.format, im.mode, im.size
-                if fmt not in ACCEPTED_FORMATS:
-                    raise InputError("unsupported_format", f"image format {fmt} is not accepted; send PNG or JPEG", 415)
-                if strict and (w, h) != (size, size):
-                    raise InputError("wrong_shape", f"the image is {w}x{h}, this model takes {size}x{size}")
-                if mode not in CONVERTIBLE_MODES:
-                    raise InputError("unsupported_mode", f"image mode {mode} is not accepted; send RGB or grayscale")
-                im.load()  # decodes fully: truncated or corrupt data fails here
-                rgb = np.asarray(fit_to_input(im.convert("RGB"), size), dtype=np.uint8)
-    except InputError:
-        raise
-    except Exception as exc:  # PIL raises many types for corrupt data
-        raise InputError("corrupt_image", f"the image cannot be decoded: {exc}") from exc
-    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
+        return read_image(data, size, strict)
+    except ImageRejected as exc:
+        raise InputError(exc.code, exc.detail, exc.status) from exc
 
 
 def decode_images(blobs: list[bytes], size: int, max_bytes: int, strict: bool = False) -> np.ndarray:

@@ -320,7 +320,7 @@ def test_images_of_any_size_are_fitted_by_one_rule_everywhere(tmp_path, jpegs):
     from PIL import Image
 
     from clients.onnx_client import OnnxClassifier
-    from learner.snapshot_format import RESIZE_RULE, fit_to_input
+    from learner.snapshot_format import RESIZE_RULE, read_image
 
     photos = real_photos(tmp_path)
     server = Server(tmp_path / "svc").start()
@@ -330,7 +330,7 @@ def test_images_of_any_size_are_fitted_by_one_rule_everywhere(tmp_path, jpegs):
         wait_trained(server, len(jpegs) + len(photos))
         camera = photos["camera-640x480.jpg"]
         fitted = io.BytesIO()
-        fit_to_input(Image.open(io.BytesIO(camera)).convert("RGB"), 32).save(fitted, "PNG")
+        Image.fromarray(read_image(camera, 32).transpose(1, 2, 0)).save(fitted, "PNG")
         answers = httpx.post(f"{server.url}/predict", json={"images": [b64(camera), b64(fitted.getvalue())],
                                                             "k": 2}, timeout=TIMEOUT).json()["results"]
         assert answers[0] == answers[1]  # the service fitted the photo as the rule says

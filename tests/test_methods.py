@@ -135,5 +135,5 @@ def test_a_methods_lean_form_is_the_method_its_lean_steps_are_priced_as(method):
     learner = make_learner(method, 10, mem_size=50)
     update, retrieval = REPLAY_METHODS[lean_method(method)]
     assert (learner.lean_update.name, learner.lean_retrieval.name) == (update, retrieval)
-    costly = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", "mir"}
+    costly = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", "mir", "cb-value", "cb-duel", "cb-compete", "cb-diverse"}
     assert not {update, retrieval} & costly and (lean_method(method) == method) == (not set(REPLAY_METHODS[method]) & costly)

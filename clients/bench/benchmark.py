@@ -43,7 +43,7 @@ from .results import (
     summary_table,
 )
 
-SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu"}
+SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", "cb-value", "cb-duel", "cb-compete"}
 
 
 def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, list[float]]:
@@ -184,6 +184,7 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         iterations=args.iterations, augment=args.augment, ema_decay=args.ema, device=device, seed=seed,
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
+        feature_max_age=args.feature_max_age,
     )
 
 
@@ -205,7 +206,7 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
                evaluate_after: bool) -> None:
     """Observe one pass's mini-batches once each; for a task, evaluate on every task after it."""
     one_class = args.one_class_batches and evaluate_after
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if evaluate_after:
         learner.begin_task(classes)
     replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
@@ -217,6 +218,8 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
     if evaluate_after:
         learner.end_task()
     run["train_seconds"] += time.perf_counter() - t0
+    # the process's CPU seconds: what the step costs, whatever else the machine runs beside it
+    run["train_cpu_seconds"] = run.get("train_cpu_seconds", 0.0) + time.process_time() - cpu0
     if not evaluate_after:
         return
     if replayed:  # % of replayed samples whose class is in the incoming batch
@@ -240,6 +243,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         **ncm,
         **({"replay_incoming_share": run["replay_share"]} if run["replay_share"] else {}),
         "train_seconds": round(run["train_seconds"], 2),
+        **({"train_cpu_seconds": round(run["train_cpu_seconds"], 2)} if "train_cpu_seconds" in run else {}),
         "steps": learner.steps,
         **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
@@ -252,6 +256,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "bf16": args.bf16, "bf16_latent": args.bf16_latent, "compile": args.compile,
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
+            **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
         },
         "device": str(device),
         "machine": " + ".join(run["machines"]),
@@ -391,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay methods: SGD steps per incoming batch, each with a fresh replay draw")
     run.add_argument("--ema", type=float, metavar="DECAY",
                      help="predict and evaluate with an exponential moving average of the weights (e.g. 0.99)")
+    run.add_argument("--feature-max-age", type=int, default=100, metavar="S",
+                     help="class-balanced KNN-SV memories (cb-*): value the memory on cached features at most S "
+                          "optimizer steps old (0: fresh features for every valuation)")
     run.add_argument("--stream-rate", metavar="R",
                      help="the real-time protocol: the stream arrives at R samples/s (or Nx: N times plain ER's "
                           "throughput by the cost model) against a clock the learner's work advances")

@@ -21,7 +21,7 @@ value or a list, and the block stands for every combination:
 
 Other keys of a block (lr, ...) are passed to `run` as they are (true: a flag alone) and do not enter
 the file names, except the real-time protocol's (stream_rate, max_lag, catch_up_memory_share, lean_when_behind,
-idle_rehearsal).
+idle_rehearsal) and feature_max_age (the class-balanced KNN-SV memories' staleness bound).
 Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-aug][-it<N>][-ema<D>][-n<N>][-m<M>]-seed<s>.json
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
@@ -111,6 +111,8 @@ class RunSpec:
             parts.append("lean")
         if extra.get("idle_rehearsal"):
             parts.append("idle")
+        if "feature_max_age" in extra:
+            parts.append(f"age{extra['feature_max_age']}")
         if self.uses_memory:
             parts.append(f"m{self.mem_size}")
         return "-".join(parts) + f"-seed{self.seed}.json"

@@ -1,0 +1,95 @@
+"""One contract every learner keeps, in the habit of river's estimator checks: every method of
+`learner.methods`, plain and with the stronger learner's options (ACE + augmentation + 2 iterations
++ a moving average), on real CIFAR-10 images.
+
+- a seed reproduces it bit for bit;
+- a state round trip (`state_dict` -> a fresh learner -> `load_state_dict`) continues bit for bit,
+  through the same serialisation a checkpoint uses;
+- a lean step and a pass-through (full and lean) run and are counted;
+- forgetting a class leaves nothing of it: not in the memory, not in what the memory policy keeps,
+  never predicted, and the memory refills with the other classes.
+
+That each method learns a first task above chance on real images is
+`tests/test_methods.py::test_method_learns_the_first_task`, over the same list of methods.
+"""
+
+import io
+
+import pytest
+import torch
+
+from learner import METHODS, make_learner
+from learner.methods import REPLAY_METHODS
+
+STREAM_METHODS = [m for m in METHODS if not m.startswith("iid")]
+OPTIONS = {
+    "plain": {},
+    "options": {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99},
+}
+CASES = [(m, o) for m in STREAM_METHODS for o in OPTIONS if o == "plain" or m in REPLAY_METHODS]
+
+
+def build(method: str, options: str, seed: int = 0):
+    # a small memory and a short feature age bound, so that the memory fills and the cache goes stale
+    return make_learner(method, num_classes=4, mem_size=16, seed=seed, feature_max_age=2, **OPTIONS[options])
+
+
+@pytest.fixture(scope="module")
+def stream(cifar10_slice):
+    """70 real images of 4 classes, in shuffled batches of 10."""
+    keep = torch.nonzero(cifar10_slice.train_y < 4).flatten()
+    order = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(0))][:70]
+    x, y = cifar10_slice.train_x[order], cifar10_slice.train_y[order]
+    return [(x[i:i + 10], y[i:i + 10]) for i in range(0, 70, 10)]
+
+
+def feed(learner, batches):
+    for x, y in batches:
+        learner.observe(x, y)
+
+
+def weights(learner):
+    return [t.detach().clone() for t in learner.serving_model.state_dict().values()]
+
+
+def assert_same(a, b):
+    for p, q in zip(weights(a), weights(b), strict=True):
+        assert torch.equal(p, q)
+    if hasattr(a, "buffer"):
+        assert torch.equal(a.buffer.labels, b.buffer.labels) and torch.equal(a.buffer.images, b.buffer.images)
+
+
+@pytest.mark.parametrize("method,options", CASES)
+def test_a_seed_reproduces_it_and_a_state_round_trip_continues_bit_for_bit(method, options, stream):
+    a, b = build(method, options), build(method, options)
+    feed(a, stream[:3])
+    feed(b, stream[:3])
+    assert_same(a, b)
+    a.end_task()
+    saved = io.BytesIO()
+    torch.save(a.state_dict(), saved)  # as a checkpoint serialises it
+    c = build(method, options, seed=99)
+    c.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    feed(a, stream[3:5])
+    feed(c, stream[3:5])
+    assert_same(a, c)
+
+
+@pytest.mark.parametrize("method,options", CASES)
+def test_lean_steps_pass_through_and_forgetting(method, options, stream, cifar10_slice):
+    learner = build(method, options)
+    feed(learner, stream[:2])
+    learner.observe(*stream[2], lean=True)
+    learner.pass_through(*stream[3], batch_size=10)
+    learner.pass_through(*stream[4], batch_size=10, lean=True)
+    assert (learner.steps, learner.lean_steps, learner.samples_seen, learner.samples_skipped) == (3, 1, 30, 20)
+
+    learner.forget_class(2)
+    # a label sent again after its forgetting comes as a new class id (the service's rule)
+    feed(learner, [(x[y != 2], y[y != 2]) for x, y in stream[5:7]])
+    if hasattr(learner, "buffer"):
+        kept = getattr(learner.update_policy, "seen", {})
+        assert 2 not in learner.buffer.class_counts() and 2 not in kept
+        assert learner.buffer.is_full  # the other classes refilled it
+    test = cifar10_slice.test_x[cifar10_slice.test_y == 2][:50]
+    assert 2 not in learner.predict(test).tolist()

@@ -1,0 +1,154 @@
+"""The one input rule (`learner.snapshot_format.read_image`) on real and hostile images: what it
+refuses before decoding, what camera formats it reads, and that the service and the ONNX client
+apply the same rule."""
+
+import io
+import zipfile
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from learner.snapshot_format import MAX_PIXELS, ImageRejected, read_image
+
+from .conftest import CIFAR10_ZIP, MINI_ZIP
+from .test_service import Server, b64, status
+
+TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def photo() -> bytes:
+    """A real 84x84 Mini-ImageNet photo, upscaled to 336x252 as a camera would give it."""
+    with zipfile.ZipFile(MINI_ZIP) as z:
+        name = sorted(n for n in z.namelist() if n.endswith(".jpg"))[0]
+        im = Image.open(io.BytesIO(z.read(name))).convert("RGB")
+    out = io.BytesIO()
+    im.resize((336, 252)).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+def encoded(im: Image.Image, fmt: str, **kw) -> bytes:
+    out = io.BytesIO()
+    im.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def rejected(data: bytes, size: int = 32) -> ImageRejected:
+    with pytest.raises(ImageRejected) as info:
+        read_image(data, size)
+    return info.value
+
+
+def test_extreme_aspect_ratios_are_refused_from_the_header():
+    thin = encoded(Image.new("L", (300_000, 1)), "PNG")  # a few hundred bytes
+    assert len(thin) < 2000
+    err = rejected(thin)
+    assert (err.code, err.status) == ("extreme_aspect_ratio", 422)
+    assert read_image(encoded(Image.new("L", (600, 30)), "PNG"), 32).shape == (3, 32, 32)  # 20:1 is fine
+
+
+def test_images_over_the_pixel_cap_are_refused_before_decoding():
+    big = encoded(Image.new("L", (7000, 7000)), "PNG")  # 49 MP, ~50 KB
+    err = rejected(big)
+    assert (err.code, err.status) == ("too_many_pixels", 413) and 7000 * 7000 > MAX_PIXELS
+
+
+def test_a_jpeg_is_decoded_at_reduced_scale(photo):
+    """A large JPEG within 64x the cap decodes by draft at 1/8 scale: the result is the fitted square."""
+    im = Image.open(io.BytesIO(photo)).resize((8000, 6000))
+    out = read_image(encoded(im, "JPEG", quality=50), 32)
+    assert out.shape == (3, 32, 32) and out.std() > 5
+
+
+def test_truncated_jpegs_are_corrupt(photo):
+    err = rejected(photo[: len(photo) // 2])
+    assert (err.code, err.status) == ("corrupt_image", 422)
+    lying = bytearray(photo[:-2])  # the end marker gone: a header that claims more than the data holds
+    assert rejected(bytes(lying)).code == "corrupt_image"
+
+
+def test_a_phones_multi_picture_jpeg_is_read_as_its_first_frame(photo):
+    first = Image.open(io.BytesIO(photo))
+    second = Image.new("RGB", first.size, (0, 255, 0))
+    mpo = encoded(first, "MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(mpo)).format == "MPO"
+    assert np.array_equal(read_image(mpo, 32), read_image(photo, 32))
+
+
+def test_exif_orientation_is_applied(photo):
+    """A portrait photo stored sideways with orientation 6 (rotate 90° clockwise to view) reads as
+    the upright image does."""
+    upright = Image.open(io.BytesIO(photo)).rotate(-90, expand=True)  # what the viewer should see
+    stored = upright.rotate(90, expand=True)  # how the camera wrote it
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    sideways = encoded(stored, "JPEG", quality=95, exif=exif.tobytes())
+    plain = encoded(upright, "JPEG", quality=95)
+    a, b = read_image(sideways, 32).astype(int), read_image(plain, 32).astype(int)
+    assert np.abs(a - b).mean() < 4  # the same picture, up to JPEG's rounding
+    assert np.abs(read_image(encoded(stored, "JPEG", quality=95), 32).astype(int) - b).mean() > 10
+
+
+@pytest.mark.parametrize("kind", ["cmyk", "16-bit", "gif"])
+def test_formats_and_modes_outside_the_rule_are_refused_with_the_accepted_list(kind, photo):
+    im = Image.open(io.BytesIO(photo))
+    data = {"cmyk": lambda: encoded(im.convert("CMYK"), "JPEG"),
+            "16-bit": lambda: encoded(Image.fromarray(np.full((40, 40), 60000, dtype=np.uint16)), "PNG"),
+            "gif": lambda: encoded(im, "GIF")}[kind]()
+    err = rejected(data)
+    if kind == "gif":
+        assert (err.code, err.status) == ("unsupported_format", 415) and "PNG, JPEG, MPO, WEBP, BMP" in err.detail
+    else:
+        assert (err.code, err.status) == ("unsupported_mode", 422) and "8-bit RGB" in err.detail
+
+
+def test_the_service_and_the_onnx_client_apply_the_same_rule(tmp_path, photo):
+    """Every hostile image gets a 4xx JSON error from a real server and stores nothing; the ONNX
+    client refuses what the service refuses; an upright and a sideways photo get one answer."""
+    from clients.onnx_client import OnnxClassifier, SnapshotError
+
+    with zipfile.ZipFile(CIFAR10_ZIP) as z:
+        names = [n for n in sorted(z.namelist()) if n.startswith("cifar10/train/") and n.endswith(".jpg")]
+        cats = [z.read(n) for n in names if "/cat/" in n][:20]
+        ships = [z.read(n) for n in names if "/ship/" in n][:20]
+    hostile = {
+        "thin": encoded(Image.new("L", (300_000, 1)), "PNG"),
+        "huge": encoded(Image.new("L", (7000, 7000)), "PNG"),
+        "truncated": photo[: len(photo) // 2],
+        "cmyk": encoded(Image.open(io.BytesIO(photo)).convert("CMYK"), "JPEG"),
+    }
+    server = Server(tmp_path / "svc").start()
+    try:
+        for label, blobs in (("cat", cats), ("ship", ships)):
+            files = [("image", (f"{i}.jpg", b, "image/jpeg")) for i, b in enumerate(blobs)]
+            assert httpx.post(f"{server.url}/samples", files=files, data={"label": label}).status_code == 201
+        for name, data in hostile.items():
+            r = httpx.post(f"{server.url}/samples", files=[("image", ("x", data, "image/png"))], data={"label": "cat"})
+            assert 400 <= r.status_code < 500 and r.json()["error"] in (
+                "extreme_aspect_ratio", "too_many_pixels", "corrupt_image", "unsupported_mode"), (name, r.text)
+            assert 400 <= httpx.post(f"{server.url}/predict", json={"images": [b64(data)]}).status_code < 500
+        assert status(server)["samples_received"] == 40
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        upright = Image.open(io.BytesIO(photo)).rotate(-90, expand=True)
+        sideways = encoded(upright.rotate(90, expand=True), "JPEG", quality=95, exif=exif.tobytes())
+        answers = httpx.post(f"{server.url}/predict", json={"images": [b64(sideways), b64(read_png(sideways))],
+                                                            "k": 2}).json()["results"]
+        assert answers[0] == answers[1]
+        snap = httpx.post(f"{server.url}/snapshots", timeout=300).json()
+        onnx = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{snap['id']}").content)
+    finally:
+        server.stop()
+    for name, data in hostile.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(SnapshotError):
+            onnx.predict([tmp_path / name])
+    (tmp_path / "sideways.jpg").write_bytes(sideways)
+    assert [t["label"] for t in onnx.predict([tmp_path / "sideways.jpg"], k=2)[0]] == [t["label"] for t in answers[0]]
+
+
+def read_png(data: bytes) -> bytes:
+    """The image as the rule reads it, saved losslessly at the input size."""
+    return encoded(Image.fromarray(read_image(data, 32).transpose(1, 2, 0)), "PNG")
