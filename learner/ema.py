@@ -1,21 +1,24 @@
 """An exponential moving average of a model's weights, for serving: after the t-th SGD step
-theta_ema <- (1 - w_t) * theta_ema + w_t * theta with w_t = max(1 - decay, 1 / t), over the
-parameters and the BatchNorm running statistics alike (the average model is evaluated with its own
-statistics). Until there are 1 / (1 - decay) steps it is the plain mean of the weights so far, so a
-young model is never served its random start (a service's first minutes); from then on the
-moving average. Training never reads it; predictions and evaluation may
+theta_ema <- d_t * theta_ema + (1 - d_t) * theta with d_t = min(decay, (1 + t) / (10 + t)) (TensorFlow's
+ExponentialMovingAverage with num_updates), over the parameters and the BatchNorm running statistics
+alike (the average model is evaluated with its own statistics). The warm-up forgets the early,
+near-random weights fast: a plain mean of every step so far (this module's first form) still carried
+them after hundreds of steps, so a young service answered one class for its first minutes. At decay
+0.99 the average is a moving one from step 890 on; a new class's head rows follow within tens of steps
+while t is small. Training never reads it; predictions and evaluation may
 (`ContinualLearner(ema_decay=...)`).
 
 >>> import torch
 >>> net = torch.nn.Linear(1, 1, bias=False)
+>>> with torch.no_grad(): _ = net.weight.fill_(0.0)
 >>> avg = WeightAverage(net, decay=0.5)
->>> for w in (3.0, 5.0, 9.0):
+>>> for w in (11.0, 20.0, 30.0):
 ...     with torch.no_grad(): _ = net.weight.fill_(w)
 ...     avg.update(net)
-...     print(avg.model.weight.item())  # 3; the mean of 3 and 5; then 0.5 * 4 + 0.5 * 9
-3.0
-4.0
-6.5
+...     print(round(avg.model.weight.item(), 3))  # d_1 = 2/11, d_2 = 3/12, d_3 = 4/13
+9.0
+17.25
+26.077
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class WeightAverage:
         """One step of the average towards `model`'s current weights."""
         self.updates += 1
         mine, theirs = self._floats(self.model), self._floats(model)
-        torch._foreach_lerp_(mine, theirs, max(1.0 - self.decay, 1.0 / self.updates))
+        kept = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(mine, theirs, 1.0 - kept)
         for name, buf in model.named_buffers():  # integer buffers (BatchNorm's step count) are copied
             if not buf.is_floating_point():
                 self.model.get_buffer(name).copy_(buf)

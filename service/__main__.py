@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import sys
 
 import uvicorn
 
+from .guard import is_loopback
 from .server import quiet_probes, with_header_timeout
 from .settings import Settings
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(make_app) -> int:

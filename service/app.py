@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from . import __version__
+from .guard import WebPageGuard, allowed_hosts, is_loopback
 from .metrics import Metrics
 from .routers import dashboard, ingest, memory, operations, predict, snapshots
 from .routers.bodies import BodyModels
@@ -37,6 +38,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # a stream's total size is unbounded; each of its messages is limited instead
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s,
                        exempt=frozenset({"/samples/stream"}))
+    app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host,
+                                                         is_loopback(settings.host)))
     install_error_handlers(app, metrics)
     app.include_router(ingest.router(settings, models))
     app.include_router(predict.router(settings, models))

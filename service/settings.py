@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path("data")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    allowed_hosts: list[str] | None = Field(None, description="host names the service answers to (JSON list; "
+                                            "[\"*\"]: any); unset: the loopback names on a loopback bind, any otherwise "
+                                            "(a web page that rebinds its name to this service gets 400 invalid_host)")
 
     # the learner: ASER's KNN-SV memory update with random retrieval, the ACE loss and a moving-average
     # serving head (the best ASER configuration on Split CIFAR-10, README), the paper's CIFAR-10 settings

@@ -125,9 +125,9 @@ def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):
     learner = make_learner("er", 10, mem_size=50, ema_decay=decay, seed=2)
     average = {k: v.clone() for k, v in learner.model.state_dict().items()}
     x, y = cifar10_slice.train_x, cifar10_slice.train_y
-    for t, i in enumerate(range(0, 160, 10), start=1):  # the plain mean for 10 steps, then the moving average
+    for t, i in enumerate(range(0, 160, 10), start=1):  # the warm-up: d_t = min(decay, (1 + t) / (10 + t))
         learner.observe(x[i:i + 10], y[i:i + 10])
-        w = max(1 - decay, 1 / t)
+        w = 1 - min(decay, (1 + t) / (10 + t))
         for k, v in learner.model.state_dict().items():
             average[k] = (1 - w) * average[k] + w * v if v.is_floating_point() else v.clone()
     ema = learner.ema.model.state_dict()
