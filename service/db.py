@@ -53,7 +53,7 @@ class Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._write_lock = threading.Lock()
-        self._writer = self._connect()
+        self._writer = self._connect(writer=True)
         self._readers = threading.local()
         self._all: list[sqlite3.Connection] = [self._writer]
         self._all_lock = threading.Lock()
@@ -72,14 +72,19 @@ class Database:
         except sqlite3.Error as exc:  # no room for the copy, say: pages are still reused, not returned
             log.warning("storage: VACUUM failed (%s); freed pages will be reused, not returned", exc)
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, writer: bool = False) -> sqlite3.Connection:
         # isolation_level=None: sqlite3 opens no implicit transactions; ours are explicit
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA busy_timeout=10000")
+        if not writer:
+            # the file's settings are the writer's to make: a reader that set them would write, and
+            # answer 500 on a full disk after a restart; it may not write at all
+            conn.execute("PRAGMA query_only=ON")
+            return conn
         conn.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before WAL writes page 1: a new file starts with it
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")  # an acknowledged commit survives power loss
-        conn.execute("PRAGMA busy_timeout=10000")
         conn.execute("PRAGMA journal_size_limit=16777216")  # the WAL shrinks back to 16 MiB after a checkpoint
         conn.execute("PRAGMA foreign_keys=ON")
         return conn
@@ -128,7 +133,18 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:
-        """This thread's read connection, inside one read transaction (re-entrant)."""
+        """This thread's read connection, inside one read transaction (re-entrant). A read short of
+        space (a sort spilling to temporary files on a full disk) raises StorageFull."""
+        try:
+            with self._read() as conn:
+                yield conn
+        except sqlite3.OperationalError as exc:
+            if is_disk_full(exc):
+                raise StorageFull("the disk is full: this read needs temporary space; retry once space returns") from exc
+            raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
         conn = getattr(self._readers, "conn", None)
         if conn is None:
             conn = self._readers.conn = self._connect()

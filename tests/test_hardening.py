@@ -398,3 +398,28 @@ def test_the_onnx_client_says_what_is_wrong_in_one_line(tmp_path, strict_server,
         assert onnx_client(model, photo, "--k", k).returncode == 2
     good = onnx_client(model, photo, "--k", "1")
     assert good.returncode == 0 and len(json.loads(good.stdout)["top"]) == 1
+
+
+def test_reads_answer_after_a_restart_on_a_full_disk(small_disk, jpegs):
+    """Reader connections opened after the disk filled (a restart, new threads) set nothing in the
+    file: /status, /metrics, /history and /memory answer 200 while writes answer 507."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data_dir = small_disk / "data"
+    server = Server(data_dir, batch_size=10, snapshot_every_steps=0).start()
+    try:
+        assert post_samples(server, jpegs[:20]).status_code == 201
+        wait_trained(server, 20)
+    finally:
+        server.stop()
+    server = Server(data_dir, batch_size=10, snapshot_every_steps=0).start()
+    try:
+        fill(small_disk / "filler")
+        paths = ["/status", "/metrics", "/history", "/memory", "/readyz"] * 6
+        with ThreadPoolExecutor(len(paths)) as pool:  # many at once: the server opens new reader threads
+            answers = list(pool.map(lambda p: httpx.get(f"{server.url}{p}", timeout=TIMEOUT), paths))
+        assert [r.status_code for r in answers] == [200] * len(paths), [(r.url.path, r.text[:80]) for r in answers]
+        assert post_samples(server, jpegs[20:21]).status_code == 507
+    finally:
+        server.stop()
+        (small_disk / "filler").unlink(missing_ok=True)
