@@ -4,8 +4,8 @@ the paper and report its metrics.
     python -m clients.bench.benchmark run --dataset cifar10 --data ../shared/datasets/cifar10-jpeg.zip \
         --method aser-mu --mem-size 1000 --seed 0 1 2 --out results/cifar10/aser-mu-m1000.json
     python -m clients.bench.benchmark table results/cifar10 --out results/cifar10/table.md --compare er aser-mu
-    python -m clients.bench.benchmark sweep results/grid.toml --jobs 2 --out results
-    python -m clients.bench.benchmark speed
+    python -m clients.bench.benchmark sweep results/grid-memory.toml --jobs 1 --threads 1 --out results
+    python -m clients.bench.benchmark speed          # writes .cache/bench/speed-cpu.json unless --out
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from learner.ncm import memory_ncm
 from learner.objective import LOSSES, STEPS
 
 from .machine import machine_description, resolve_device
-from .realtime import Stream, cost_model, simulate
+from .realtime import DEFAULT_COST_MODEL, Stream, cost_model, simulate
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
 from .results import (
     comparison_table,
@@ -364,11 +364,15 @@ def cmd_table(args) -> int:
     return 0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Examples kept as written, and every option's default shown."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m clients.bench.benchmark", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="replay a class-incremental stream through one method")
+    run = sub.add_parser("run", help="replay a class-incremental stream through one method", formatter_class=HelpFormatter)
     run.add_argument("--dataset", required=True, choices=["cifar10", "cifar100", "mini-imagenet"])
     run.add_argument("--data", required=True, help="dataset path: pickle folder, image folder or .zip")
     run.add_argument("--method", required=True, choices=METHODS)
@@ -380,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     run.add_argument("--k", type=int, help="K of KNN-SV (default: the paper's for the dataset)")
     run.add_argument("--n-candidates", type=int, help="N_c (default: the paper's for the dataset)")
-    run.add_argument("--lr", type=float, default=0.1)
+    run.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     run.add_argument("--batch-size", type=int, default=10, help="incoming mini-batch size b")
     run.add_argument("--replay-batch", type=int, default=10, help="replay batch size b_M")
     run.add_argument("--tasks", type=int, help="number of tasks (default: 5 for CIFAR-10, 10 otherwise)")
@@ -413,9 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "learner.methods.lean_method; priced as that configuration)")
     run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
     run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
-    run.add_argument("--cost-model", default="results/realtime/cost-model.json",
+    run.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                      help="with --stream-rate: seconds per step, skip and rehearsal per configuration (calibrated "
-                          "once on this machine and kept here)")
+                          "once on this machine and kept here; the default starts from results/realtime/cost-model.json, "
+                          "which changes only when named)")
     run.add_argument("--calibrate-only", action="store_true",
                      help="with --stream-rate: calibrate the cost model (this configuration's and plain ER's) and stop")
     run.add_argument("--exclude-current-task", action="store_true",
@@ -438,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--token", help="with --via: an admin token (it writes and reads)")
     run.set_defaults(func=cmd_run)
     table = sub.add_parser("table", help="markdown table (mean ± 95%% CI), paired comparisons and plots")
-    table.add_argument("folder")
+    table.add_argument("folder", help="a folder of result files (e.g. results/cifar10)")
     table.add_argument("--out", help="write the markdown tables here")
     table.add_argument("--plot", help="write the accuracy-over-tasks plot (PNG) here")
     table.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict-clients", type=int, nargs="+", default=[1],
                    help="concurrent predict clients; several values run one phase each")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
-    p.add_argument("--out", default="results/load-cpu.json")
+    p.add_argument("--out", default=".cache/bench/load-cpu.json", help="the result file (results/ only when named)")
     p.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a setting of the started service")
     args = p.parse_args(argv)
 

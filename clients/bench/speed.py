@@ -164,7 +164,7 @@ def cmd_speed(args) -> int:
         print(f"{name}: {value}")
     suffix = ("-bf16" if args.bf16 else "") + ("-bf16-latent" if args.bf16_latent else "") + \
         ("-compile" if args.compile else "")
-    out = Path(args.out or f"results/speed-{device.type}{suffix}.json")
+    out = Path(args.out or f".cache/bench/speed-{device.type}{suffix}.json")  # results/ only when named
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
@@ -172,7 +172,7 @@ def cmd_speed(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("speed", help="median ms per step of the hot paths, written to results/speed-<device>.json")
+    p = sub.add_parser("speed", help="median ms per step of the hot paths, written to --out (default .cache/bench/speed-<device>.json)")
     p.add_argument("--device", default="auto")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=30, help="samples per second over the three ingest forms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", help="append the service's log here")
-    p.add_argument("--out", default="results/torture-cpu.json")
+    p.add_argument("--out", default=".cache/bench/torture-cpu.json", help="the result file (results/ only when named)")
     args = p.parse_args(argv)
     result = run(Path(args.data), args.seconds, args.kill_every, args.rate, log_path=args.log, seed=args.seed)
     from .machine import machine_description, resolve_device
