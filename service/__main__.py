@@ -3,22 +3,66 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
+import textwrap
 
 import uvicorn
+from pydantic import ValidationError
 
 from .guard import is_loopback
 from .server import quiet_probes, with_header_timeout
 from .settings import Settings
 
 
-def serve(make_app) -> int:
-    """Run `make_app(settings)` with uvicorn; refuse a non-loopback bind without a token."""
-    settings = Settings()
+def usage(what: str) -> str:
+    """`--help`: every setting, its default and what it does (environment variables or .env)."""
+    lines = [f"usage: python -m {what}", "", "Settings come from ASER_* environment variables or a .env file:", ""]
+    for name, field in Settings.model_fields.items():
+        default = "(unset)" if field.default is None else repr(field.default)
+        if "token" in name:
+            default = "(unset)"
+        lines.append(f"  ASER_{name.upper():<28} default {default}")
+        if field.description:
+            lines += [f"      {line}" for line in textwrap.wrap(field.description, 90)]
+    return "\n".join(lines)
+
+
+def startup_settings(check=None) -> Settings:
+    """The settings, checked before anything opens; a bad one is one line naming it and SystemExit(2)."""
+    try:
+        settings = Settings()
+        if check is not None:
+            check(settings)
+    except ValidationError as exc:
+        for error in exc.errors():
+            name = "ASER_" + "_".join(str(p) for p in error["loc"][:1]).upper()
+            print(f"error: {name}: {error['msg']} (got {error.get('input')!r})", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if not is_loopback(settings.host) and not settings.auth_enabled:
-        print(f"refusing to listen on {settings.host} without an API token: set ASER_WRITE_TOKEN, "
+        print(f"error: refusing to listen on {settings.host} without an API token: set ASER_WRITE_TOKEN, "
               "ASER_READ_TOKEN or ASER_ADMIN_TOKEN, or bind to 127.0.0.1", file=sys.stderr)
-        return 2
+        raise SystemExit(2)
+    with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as exc:
+            print(f"error: cannot listen on {settings.host}:{settings.port} (ASER_HOST, ASER_PORT): {exc.strerror}",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
+    return settings
+
+
+def serve(make_app, what: str = "service", check=None) -> int:
+    """Run `make_app(settings)` with uvicorn once the settings pass `startup_settings`."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(usage(what))
+        return 0
+    settings = startup_settings(check)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(quiet_probes)
 
@@ -31,7 +75,7 @@ def serve(make_app) -> int:
 def main() -> int:
     from .app import create_app  # here, not above: the replica serves through this module without torch
 
-    return serve(create_app)
+    return serve(create_app, "service", Settings.check_learner)  # what a replica does not need
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
 def main() -> int:
     from .__main__ import serve
 
-    return serve(create_replica_app)
+    return serve(create_replica_app, "service.replica")
 
 
 if __name__ == "__main__":

@@ -203,6 +203,12 @@ class LearnerWorker:
         self._ncm, self._ncm_classes, self._ncm_at = None, set(), -(10**9)  # the NCM head and when it was made
         self.consistent = True
         self.publish()
+        s = self.settings
+        log.info("learner: %s (%s), M=%d, %s, device %s, data in %s, %s", s.method, learner.name, s.mem_size,
+                 " ".join(f"{k}={v}" for k, v in {**s.replay_objective(), **s.stronger_learner()}.items()),
+                 self.device, s.data_dir.resolve(),
+                 f"resumed from a checkpoint at sample {self.trained_upto} ({learner.steps} steps)"
+                 if self.trained_upto else "a new lineage")
 
     def _run(self) -> None:
         failures_in_a_row = 0
