@@ -128,10 +128,16 @@ class HistoryPoint(BaseModel):
 
 class History:
     """The time series in SQLite. A point never goes behind the last one stored: after a restart
-    from an older checkpoint the steps trained again add no point until they pass it."""
+    from an older checkpoint the steps trained again add no point until they pass it.
 
-    def __init__(self, db: Database):
-        self.db = db
+    Bounded for months: once it holds more than `max_points`, every second point of its older half
+    is dropped (the recent half keeps every point, older stretches thin out geometrically), so a
+    year of points costs what 20,000 do and the dashboard's series still spans it all."""
+
+    FORGET_BATCH = 500  # points rewritten per write transaction when a class is forgotten
+
+    def __init__(self, db: Database, max_points: int = 20_000):
+        self.db, self.max_points = db, max_points
         with db.schema() as schema:
             schema.executescript(SCHEMA)
             columns = schema["history"].columns_dict  # databases of earlier versions lack the later ones
@@ -148,7 +154,14 @@ class History:
             row = {**point.model_dump(), "per_class": json.dumps(point.per_class), "memory": json.dumps(point.memory)}
             conn.execute(f"INSERT INTO history ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
                          list(row.values()))
+            if conn.execute("SELECT COUNT(*) FROM history").fetchone()[0] > self.max_points:
+                self._thin(conn)
         return True
+
+    def _thin(self, conn) -> None:
+        older = [r[0] for r in conn.execute("SELECT samples_trained FROM history ORDER BY samples_trained LIMIT ?",
+                                            (self.max_points // 2,))]
+        conn.executemany("DELETE FROM history WHERE samples_trained = ?", [(k,) for k in older[1::2]])
 
     def since(self, samples_trained: int, limit: int) -> list[HistoryPoint]:
         """Points after `samples_trained`, oldest first, at most `limit`."""
@@ -159,13 +172,20 @@ class History:
                 for r in rows]
 
     def forget_label(self, label: str) -> None:
-        """Remove a forgotten class's label from every stored point."""
-        with self.db.write() as conn:
-            rows = conn.execute("SELECT samples_trained, per_class, memory FROM history").fetchall()
-            for r in rows:
-                per_class, memory = json.loads(r["per_class"]), json.loads(r["memory"])
-                if label in per_class or label in memory:
-                    per_class.pop(label, None)
-                    memory.pop(label, None)
-                    conn.execute("UPDATE history SET per_class = ?, memory = ? WHERE samples_trained = ?",
-                                 (json.dumps(per_class), json.dumps(memory), r["samples_trained"]))
+        """Remove a forgotten class's label from every stored point: the points are found in a read
+        transaction and rewritten FORGET_BATCH at a time, so ingest never waits on more than one batch."""
+        key = f"%{json.dumps(label)}%"
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT samples_trained, per_class, memory FROM history WHERE per_class LIKE ? "
+                                "OR memory LIKE ?", (key, key)).fetchall()
+        changed = []
+        for r in rows:
+            per_class, memory = json.loads(r["per_class"]), json.loads(r["memory"])
+            if label in per_class or label in memory:
+                per_class.pop(label, None)
+                memory.pop(label, None)
+                changed.append((json.dumps(per_class), json.dumps(memory), r["samples_trained"]))
+        for i in range(0, len(changed), self.FORGET_BATCH):
+            with self.db.write() as conn:
+                conn.executemany("UPDATE history SET per_class = ?, memory = ? WHERE samples_trained = ?",
+                                 changed[i:i + self.FORGET_BATCH])

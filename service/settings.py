@@ -89,6 +89,8 @@ class Settings(BaseSettings):
     predict_max_batch: int = Field(256, ge=1, description="images per shared forward pass at most")
     online_window: int = Field(1000, ge=1, description="samples in the sliding window of online accuracy")
     history_every_steps: int = Field(10, ge=1, description="store a point of the history every N training steps")
+    history_max_points: int = Field(20_000, ge=100, description="past this many points, every second point of the "
+                                    "older half of the history is dropped (it stays bounded for months)")
     snapshot_timeout_s: float = Field(120.0, gt=0)
     snapshot_keep: int = Field(20, ge=1, description="keep the newest N snapshots; older files and rows are removed")
 

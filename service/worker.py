@@ -135,7 +135,7 @@ class LearnerWorker:
         self.lean_when_behind = bool(settings.option("lean_when_behind"))  # of the method the lineage has
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
-        self.history = History(db)
+        self.history = History(db, settings.history_max_points)
         self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()
         self._forget_requests: queue.SimpleQueue = queue.SimpleQueue()
         self.restarts = 0
@@ -456,13 +456,22 @@ class LearnerWorker:
                 self.online.forget_class(forgotten.class_id)
                 self.publish(refresh_head=True)
                 self.checkpoint()
-                self.history.forget_label(forgotten.label)
                 self.snapshots.purge(self.store.forgotten())
                 self._maybe_snapshot()
-                applied.set_result(removed)
             except Exception as exc:  # durable already: a restart applies it from the log
                 applied.set_exception(exc)
                 raise
+            # beside the worker: rewriting a long history must not hold training (or the lag bound); the
+            # request is answered once it is done
+            threading.Thread(target=self._forget_in_history, args=(forgotten.label, applied, removed),
+                             name="history-forget", daemon=True).start()
+
+    def _forget_in_history(self, label: str, applied: Future, removed: int) -> None:
+        try:
+            self.history.forget_label(label)
+        except Exception:  # the history is what the dashboard draws; the forgetting itself is durable
+            log.exception("removing %r from the history failed", label)
+        applied.set_result(removed)
 
     # --- snapshots ---------------------------------------------------------------------
     def request_snapshot(self) -> Future:

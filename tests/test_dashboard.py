@@ -53,7 +53,7 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
     try:
         browser.get(server.url + "/")
         wait(browser, lambda d: counter(d, "samples trained") == "0")
-        assert browser.find_element(By.ID, "state").text == "learning · er + ace"  # ASER_LOSS's default
+        assert browser.find_element(By.ID, "state").text == "idle · er + ace"  # nothing to learn; ASER_LOSS's default
         assert browser.find_element(By.ID, "login").get_attribute("hidden") is not None  # no token needed
         # nothing comes from the internet: every script and style is the service's own
         for element in browser.find_elements(By.CSS_SELECTOR, "script[src], link[href]"):
@@ -81,6 +81,14 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         assert [s for s in swatches if s[0] in ("recent window", "cumulative")] == \
             [p for p in paths if p[0] in ("recent window", "cumulative")]
         assert swatches[0][1] != swatches[1][1] and swatches[1][2] == "4 3"
+        # swatches keep their 22x8 box (the charts' own svg rule does not size them), and no card is
+        # taller than its chart and legend need
+        boxes = browser.execute_script("return [...document.querySelectorAll('.legend svg')].map(s => "
+                                       "[s.getBoundingClientRect().width, s.getBoundingClientRect().height])")
+        assert boxes and all(abs(w - 22) < 1 and abs(h - 8) < 1 for w, h in boxes), boxes
+        heights = browser.execute_script("return [...document.querySelectorAll('.chart')].map(c => "
+                                         "c.getBoundingClientRect().height)")
+        assert heights and max(heights) < 420, heights
         # the rates have their own axis (the backlog its own chart), and a burst shows before any
         # point is stored for it
         assert int(browser.find_element(By.ID, "chart-rates").get_attribute("data-points")) > 0

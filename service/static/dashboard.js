@@ -45,10 +45,12 @@ function counters(st) {
   ];
   $("counters").innerHTML = items.map(([name, value]) =>
     `<div class="counter" data-name="${name}"><b>${value}</b><span>${name}</span></div>`).join("");
-  const ok = st.worker.alive;
   const loss = st.config.loss ? ` + ${st.config.loss}` : "";  // replay methods only
-  $("state").textContent = ok ? `learning · ${st.method}${loss}` : "worker stopped";
-  $("state").className = "pill " + (ok ? "ok" : "bad");
+  const [state, look] = !st.worker.alive ? ["worker stopped", "bad"]
+    : st.lag.max_lag_s && st.lag.seconds > st.lag.max_lag_s / 2 ? ["behind", "behind"]
+    : st.backlog > 0 ? ["learning", "ok"] : ["idle", "idle"];
+  $("state").textContent = st.worker.alive ? `${state} · ${st.method}${loss}` : state;
+  $("state").className = "pill " + look;
   $("updated").textContent = "updated " + new Date().toLocaleTimeString();
 }
 
