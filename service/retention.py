@@ -59,6 +59,7 @@ class Retention:
         self.db, self.policy, self.every_s = db, policy, every_s
         self.checkpointed_upto = checkpointed_upto  # () -> the last committed checkpoint's trained_upto
         self.totals = RetentionTotals()
+        self._pixels_from = 0  # no row below this sequence number holds pixels
         self.on_run = on_run  # called with the figures of each run (metrics)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="retention", daemon=True)
@@ -99,19 +100,25 @@ class Retention:
         return done
 
     def _drop_pixels(self, upto: int, condition: str, args: tuple, limit: int | None = None) -> int:
-        """Drop the image of trained samples matching `condition`, oldest first, in batches. A row
-        is deleted and written again without pixels: emptying the blob in place would leave
-        each page holding its one shrunken row, so no page would ever come free."""
+        """Drop the image of trained samples matching `condition`, oldest first, in batches. The rows
+        are found in read transactions, from a cursor below which no row holds pixels (months of
+        id-only rows are never scanned again), and changed by key in short write transactions. A row
+        is deleted and written again without pixels: emptying the blob in place would leave each page
+        holding its one shrunken row, so no page would ever come free."""
         dropped = 0
         while limit is None or dropped < limit:
             batch = PURGE_BATCH if limit is None else min(PURGE_BATCH, limit - dropped)
+            with self.db.read() as conn:
+                self._pixels_from = conn.execute("SELECT MIN(seq) FROM samples WHERE seq >= ? AND length(image) > 0",
+                                                 (self._pixels_from,)).fetchone()[0] or self._pixels_from
+                rows = conn.execute(f"SELECT seq, class_id, received, sample_id FROM samples WHERE seq >= ? AND "
+                                    f"seq <= ? AND length(image) > 0 AND {condition} ORDER BY seq LIMIT ?",
+                                    (self._pixels_from, upto, *args, batch)).fetchall()
             with self.db.write() as conn:
-                rows = conn.execute(f"SELECT seq, class_id, received, sample_id FROM samples WHERE seq <= ? AND "
-                                    f"length(image) > 0 AND {condition} ORDER BY seq LIMIT ?",
-                                    (upto, *args, batch)).fetchall()
-                conn.executemany("DELETE FROM samples WHERE seq = ?", [(r["seq"],) for r in rows])
-                conn.executemany("INSERT INTO samples (seq, class_id, image, received, sample_id) "
-                                 "VALUES (?, ?, X'', ?, ?)", [tuple(r) for r in rows])
+                for r in rows:  # by key; a row forgotten since the read is not written back
+                    if conn.execute("DELETE FROM samples WHERE seq = ? AND length(image) > 0", (r["seq"],)).rowcount:
+                        conn.execute("INSERT INTO samples (seq, class_id, image, received, sample_id) "
+                                     "VALUES (?, ?, X'', ?, ?)", tuple(r))
             dropped += len(rows)
             if len(rows) < batch:
                 break
@@ -135,14 +142,18 @@ class Retention:
             dropped += n
 
     def _delete_rows(self, upto: int, before: float) -> int:
-        deleted = 0
+        """Rows past the ids' horizon, found in read transactions and deleted by key."""
+        deleted, after = 0, 0
         while True:
-            with self.db.write() as conn:
-                n = conn.execute("DELETE FROM samples WHERE seq IN (SELECT seq FROM samples WHERE seq <= ? AND "
-                                 "length(image) = 0 AND received < ? ORDER BY seq LIMIT ?) AND seq NOT IN "
-                                 "(SELECT seq FROM quarantine)", (upto, before, PURGE_BATCH)).rowcount
-            deleted += n
-            if n < PURGE_BATCH:
+            with self.db.read() as conn:
+                seqs = [r[0] for r in conn.execute(
+                    "SELECT seq FROM samples WHERE seq > ? AND seq <= ? AND length(image) = 0 AND received < ? AND "
+                    "seq NOT IN (SELECT seq FROM quarantine) ORDER BY seq LIMIT ?", (after, upto, before, PURGE_BATCH))]
+            if seqs:
+                with self.db.write() as conn:
+                    conn.executemany("DELETE FROM samples WHERE seq = ? AND length(image) = 0", [(q,) for q in seqs])
+                deleted, after = deleted + len(seqs), seqs[-1]
+            if len(seqs) < PURGE_BATCH:
                 return deleted
 
     def _vacuum(self) -> None:
