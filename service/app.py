@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 
 from . import __version__
 from .guard import WebPageGuard, allowed_hosts, is_loopback
@@ -31,7 +32,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         app.state.runtime.close()
 
-    app = FastAPI(title="ASER continual-learning service", version=__version__, lifespan=lifespan,
+    # /docs and /redoc load Swagger UI and ReDoc from the package, not a CDN: they work offline
+    app = FastAPIOffline(title="ASER continual-learning service", version=__version__, lifespan=lifespan,
                   description="Learns new classes from a stream of labelled images without forgetting the old "
                               "ones (ASER, AAAI 2021); serves predictions and ONNX snapshots.")
     app.state.settings, app.state.metrics = settings, metrics

@@ -67,6 +67,19 @@ def test_docs_and_the_document_need_no_token_but_data_does(guarded):
     assert httpx.get(f"{guarded.url}/status", headers={"Authorization": "Bearer w-secret"}).status_code == 403
 
 
+def test_the_docs_pages_load_every_asset_from_the_service(guarded):
+    """Swagger UI and ReDoc work without internet: every script, style and icon they load is served
+    by the service itself."""
+    import re
+
+    for page in ("/docs", "/redoc"):
+        html = httpx.get(f"{guarded.url}{page}").text
+        assets = re.findall(r'(?:src|href)=["\']([^"\']+)["\']', html) + re.findall(r"url: ?'([^']+\.(?:js|css))'", html)
+        assert assets and all(a.startswith("/") and not a.startswith("//") for a in assets), (page, assets)
+        for asset in assets:
+            assert httpx.get(f"{guarded.url}{asset}").status_code == 200, asset
+
+
 def test_with_only_a_write_token_reads_take_the_write_token(tmp_path):
     s = Server(tmp_path / "svc", write_token="w-only").start()
     try:
