@@ -72,6 +72,8 @@ class Metrics:
                                        "(this process)", registry=r)
         self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",
                                     registry=r)
+        self.database_over_cap = Gauge("aser_database_over_cap", "1 while the database stays above "
+                                       "ASER_RETAIN_MAX_MB with nothing trained left to drop", registry=r)
         self.retention_pixels = Counter("aser_retention_pixels_dropped", "Trained samples whose pixels retention "
                                         "dropped", registry=r)
         self.retention_ids = Counter("aser_retention_ids_dropped", "Rows (sample ids) retention deleted past the "
@@ -92,6 +94,7 @@ class Metrics:
                                            aser_snapshot_failures=status["worker"]["snapshot_failures"])
         self.worker_up.set(1 if status["worker"]["alive"] else 0)
         self.database_bytes.set(status["storage"]["database_bytes"])
+        self.database_over_cap.set(1 if status["storage"]["over_cap"] else 0)
         self.lag.set(status["lag"]["seconds"])
         online = status["online"]
         self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))

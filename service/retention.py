@@ -47,6 +47,7 @@ class RetentionTotals:
     last_run: float | None = None
     errors: int = 0
     last_error: str | None = field(default=None)
+    over_cap: bool = False  # the cap cannot be met: what is left is untrained samples, ids and the memory
 
 
 def database_bytes(db: Database) -> int:
@@ -88,6 +89,7 @@ class Retention:
         dropped = self._drop_pixels(upto, "received < ?", (now - self.policy.pixels_s,))
         if self.policy.max_bytes:
             dropped += self._drop_pixels_over_cap(upto)
+            self._note_cap(database_bytes(self.db))
         ids = self._delete_rows(upto, now - self.policy.ids_s)
         self._vacuum()
         done = {"pixels_dropped": dropped, "ids_dropped": ids, "freed_bytes": max(0, before - database_bytes(self.db))}
@@ -140,6 +142,16 @@ class Retention:
             if n == 0:
                 return dropped
             dropped += n
+
+    def _note_cap(self, size: int) -> None:
+        """Say once per episode when the cap cannot be met: nothing trained is left to drop (the cap
+        is below what the untrained backlog, the ids within their horizon and the memory need)."""
+        over = size > self.policy.max_bytes
+        if over and not self.totals.over_cap:
+            log.warning("storage: the database (%.1f MB) stays above ASER_RETAIN_MAX_MB (%.1f MB): only untrained "
+                        "samples, sample ids within ASER_RETAIN_IDS_S and the memory are left; ingest goes on",
+                        size / 2**20, self.policy.max_bytes / 2**20)
+        self.totals.over_cap = over
 
     def _delete_rows(self, upto: int, before: float) -> int:
         """Rows past the ids' horizon, found in read transactions and deleted by key."""

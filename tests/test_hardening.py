@@ -289,6 +289,10 @@ def test_retention_caps_the_database_and_forgets_ids_past_their_horizon(tmp_path
         assert len(rows) < 40  # the oldest pixels went over the cap, then their rows past the horizon
         r = post_with_ids(server, jpegs[:1], ids[:1]).json()  # beyond the horizon: a new sample
         assert r["stored"] == 1 and r["seqs"] == [41]
+        # 0.1 MB is below what the memory's own rows need: the cap cannot be met, and it is said once
+        wait_for(lambda: status(server)["storage"]["over_cap"], what="the cap reported unmet")
+        assert "aser_database_over_cap 1.0" in httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+        assert server.log_path.read_text().count("stays above ASER_RETAIN_MAX_MB") == 1
     finally:
         server.stop()
 

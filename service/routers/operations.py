@@ -74,6 +74,8 @@ class Storage(BaseModel):
     retention_freed_bytes: int = Field(description="bytes given back to the file system (this run)")
     retention_last_run: float | None
     retention_last_error: str | None
+    over_cap: bool = Field(description="the database stays above ASER_RETAIN_MAX_MB after retention's last run: "
+                           "nothing trained was left to drop (the cap is soft: ingest goes on)")
 
 
 class Status(BaseModel):
@@ -140,7 +142,7 @@ def storage(rt: Runtime) -> dict:
     return {"database_bytes": database_bytes(rt.db), "disk_free_bytes": shutil.disk_usage(rt.settings.data_dir).free,
             "retention_pixels_dropped": t.pixels_dropped, "retention_ids_dropped": t.ids_dropped,
             "retention_freed_bytes": t.freed_bytes, "retention_last_run": t.last_run,
-            "retention_last_error": t.last_error}
+            "retention_last_error": t.last_error, "over_cap": t.over_cap}
 
 
 def router(settings: Settings) -> APIRouter:
