@@ -122,6 +122,14 @@ def resolve_device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
+@dataclass(frozen=True)
+class Published:
+    """What readers see of the learner after one step: its predictor and its memory, together."""
+
+    predictor: Predictor
+    memory: MemoryView
+
+
 class LearnerWorker:
     def __init__(self, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None):
         self.settings = settings
@@ -410,8 +418,17 @@ class LearnerWorker:
     def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
         self._refresh_ncm_head(refresh_head)
-        self.predictor = Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto, self._ncm)
-        self.memory = MemoryView.of(self.learner)
+        # one object, one swap: a reader never sees the model of one step beside the memory of another
+        self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
+                                                          self._ncm), MemoryView.of(self.learner))
+
+    @property
+    def predictor(self) -> "Predictor":
+        return self.published.predictor
+
+    @property
+    def memory(self) -> "MemoryView":
+        return self.published.memory
 
     def _refresh_ncm_head(self, force: bool) -> None:
         """With ASER_HEAD=ncm: the class means, from a feature pass over the memory, every

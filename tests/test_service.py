@@ -382,3 +382,31 @@ def test_inference_replica_serves_the_latest_snapshot(tmp_path, jpegs):
     finally:
         replica.stop()
         learner.stop()
+
+
+def test_status_is_never_torn_between_the_model_and_the_memory(tmp_path, jpegs):
+    """While a stream trains, every /status shows the memory of the model it reports: the memory
+    never holds more samples than that model has seen (trained or skipped)."""
+    import threading
+
+    s = Server(tmp_path, batch_size=2, max_batch_wait_s=0.05).start()
+    try:
+        done = threading.Event()
+
+        def send():
+            for i in range(0, 40, 2):
+                httpx.post(f"{s.url}/samples", json={"samples": [{"label": lab, "image": b64(img)}
+                                                                  for lab, img in jpegs[i:i + 2]]})
+            done.set()
+
+        threading.Thread(target=send, daemon=True).start()
+        polls = 0
+        while not done.is_set() or polls < 50:
+            st = status(s)
+            assert st["buffer_size"] <= st["samples_trained"] + st["lag"]["samples_skipped"], st
+            polls += 1
+            if polls > 2000:
+                break
+        assert polls >= 50
+    finally:
+        s.stop()

@@ -59,10 +59,11 @@ def router(settings: Settings) -> APIRouter:
     async def memory(request: Request):
         """The replay memory: samples per class, and each slot's class and when it entered."""
         worker = request.app.state.runtime.worker
-        view, classes = worker.memory, worker.predictor.classes
+        published = worker.published  # read once: the model and the memory of one step
+        view, classes = published.memory, published.predictor.classes
         slots = [{"slot": i, "label": label, "entered": e} for i, (c, e) in enumerate(zip(view.class_ids, view.entered))
                  if (label := label_of(classes, c)) is not None]
-        return {"capacity": settings.mem_size, "size": len(view.class_ids), "model_version": worker.predictor.version,
+        return {"capacity": settings.mem_size, "size": len(view.class_ids), "model_version": published.predictor.version,
                 "per_class": by_label(classes, view.class_counts()),
                 "slots": slots}
 

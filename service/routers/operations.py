@@ -102,7 +102,8 @@ class Status(BaseModel):
 
 def status(rt: Runtime) -> dict:
     worker, store = rt.worker, rt.store
-    p = worker.predictor
+    published = worker.published  # read once: the model and the memory of one step
+    p, memory = published.predictor, published.memory
     classes = store.classes()
     n_quarantined, recent = store.quarantined()
     backlog = store.pending(p.trained_upto)
@@ -113,8 +114,8 @@ def status(rt: Runtime) -> dict:
         "backlog": backlog,
         "classes": [c for c in classes if c is not None],
         "online": worker.online.summary(classes),
-        "buffer": by_label(classes, worker.memory.class_counts()),
-        "buffer_size": len(worker.memory.class_ids),
+        "buffer": by_label(classes, memory.class_counts()),
+        "buffer_size": len(memory.class_ids),
         "model_version": p.version,
         "steps": p.steps,
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
