@@ -39,7 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.metrics = settings, metrics
     # a stream's total size is unbounded; each of its messages is limited instead
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s,
-                       exempt=frozenset({"/samples/stream"}))
+                       deadline_s=settings.body_deadline_s, exempt=frozenset({"/samples/stream"}))
     app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host,
                                                          is_loopback(settings.host)))
     install_error_handlers(app, metrics)

@@ -94,7 +94,8 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="ASER inference replica", lifespan=lifespan)
     app.state.settings, app.state.follower, app.state.started = settings, follower, time.time()
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s,
+                       deadline_s=settings.body_deadline_s)
     app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host,
                                                          is_loopback(settings.host)))
     install_error_handlers(app, metrics)

@@ -134,6 +134,8 @@ class Settings(BaseSettings):
                                     "complete this long after its first byte (or its previous answer)")
     body_timeout_s: float = Field(30.0, gt=0, description="answer 408 when a request body stalls this long "
                                   "between two chunks (not the NDJSON stream, idle between samples)")
+    body_deadline_s: float = Field(120.0, gt=0, description="answer 408 when a request body is not whole this long "
+                                   "after it began, however it trickles (not the NDJSON stream)")
     max_connections: int = Field(512, ge=1, description="concurrent connections and requests; beyond, 503")
     # the inference replica (python -m service.replica): the learner it follows, and how often it looks
     replica_source: str = "http://127.0.0.1:8000"

@@ -123,7 +123,7 @@ def test_a_client_that_vanishes_mid_body_is_not_a_server_error(strict_server, pa
     log_before = strict_server.log_path.read_text()
     for _ in range(5):
         with contextlib.closing(raw_socket(strict_server)) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          "Content-Length: 100\r\n\r\n{\"label\": \"b\"".encode())
     time.sleep(0.5)
     new = strict_server.log_path.read_text()[len(log_before):]
@@ -134,9 +134,9 @@ def test_a_client_that_vanishes_mid_body_is_not_a_server_error(strict_server, pa
 def test_slow_clients_are_cut_off(strict_server):
     """Half a header: closed after the header timeout (1 s here); half a body: 408."""
     half_header = raw_socket(strict_server)
-    half_header.sendall(b"POST /samples HTTP/1.1\r\nHost: x\r\nContent-")
+    half_header.sendall(b"POST /samples HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-")
     half_body = raw_socket(strict_server)
-    half_body.sendall(b"POST /samples HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    half_body.sendall(b"POST /samples HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"label\"")
     silent = raw_socket(strict_server)
     t0 = time.monotonic()
@@ -146,6 +146,26 @@ def test_slow_clients_are_cut_off(strict_server):
     assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
     for s in (half_header, half_body, silent):
         s.close()
+
+
+def test_a_body_that_trickles_is_cut_off_at_its_deadline(tmp_path):
+    """One byte every 0.5 s never stalls for the 1 s chunk timeout, yet the whole body has 3 s."""
+    server = Server(tmp_path / "svc", body_timeout_s=1, body_deadline_s=3).start()
+    try:
+        with contextlib.closing(raw_socket(server)) as sock:
+            sock.sendall(b"POST /samples HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n")
+            t0, answer = time.monotonic(), b""
+            sock.settimeout(0.5)
+            while not answer and time.monotonic() - t0 < 60:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b" ")
+                with contextlib.suppress(TimeoutError):
+                    answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"not whole after 3 s" in answer, answer
+        assert status(server)["samples_received"] == 0
+    finally:
+        server.stop()
 
 
 def test_one_version_everywhere(strict_server):

@@ -129,13 +129,16 @@ def _leaf_routes(routes):
 
 
 class BodyLimit:
-    """Refuses bodies over max_bytes with 413, by Content-Length or while streaming, and a body
-    that stalls for `read_timeout_s` between two of its chunks with 408 (a slow client must not
-    hold a connection for ever). Paths in `exempt` (the NDJSON stream: unbounded, and idle between
-    a device's samples) are checked per message by their route instead."""
+    """Refuses bodies over max_bytes with 413, by Content-Length or while streaming, and with 408 a
+    body that stalls for `read_timeout_s` between two of its chunks or is not whole `deadline_s`
+    after it began (a client trickling a byte every few seconds must not hold a connection for
+    ever). Paths in `exempt` (the NDJSON stream: unbounded, and idle between a device's samples)
+    are checked per message by their route instead."""
 
-    def __init__(self, app, max_bytes: int, read_timeout_s: float, exempt: frozenset[str] = frozenset()):
+    def __init__(self, app, max_bytes: int, read_timeout_s: float, deadline_s: float = float("inf"),
+                 exempt: frozenset[str] = frozenset()):
         self.app, self.max_bytes, self.read_timeout_s, self.exempt = app, max_bytes, read_timeout_s, exempt
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.exempt:
@@ -146,14 +149,19 @@ class BodyLimit:
                               f"{self.max_bytes} bytes", 413)
             return await body(scope, receive, send)
         seen, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.deadline_s
 
         async def limited():
             nonlocal seen, complete
             if complete:  # after the body only a disconnect can come, whenever it comes
                 return await receive()
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.read_timeout_s, left)))
             except TimeoutError:
+                if left <= self.read_timeout_s:
+                    raise InputError("request_timeout", f"the body was not whole after {self.deadline_s:g} s",
+                                     408) from None
                 raise InputError("request_timeout", f"the body stalled for {self.read_timeout_s:g} s", 408) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
