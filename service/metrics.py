@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 
 
@@ -26,6 +26,7 @@ class StatusCounters:
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # the standard process_* metrics: resident memory, CPU seconds, open fds
         self.samples_received = Counter("aser_samples_received", "Samples newly stored in the ingest log",
                                         registry=r)
         self.requests_rejected = Counter("aser_requests_rejected", "Requests or messages refused with a 4xx",

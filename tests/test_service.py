@@ -257,6 +257,22 @@ def test_metrics_in_prometheus_format(server, jpegs):
     assert values["aser_backlog_samples"] == 0 and values["aser_model_version"] >= 1
     assert 0 <= values["aser_samples_replayed_incoming_class_total"] <= values["aser_samples_replayed_total"]
     assert values["aser_samples_replayed_total"] >= 1
+    # the standard process metrics: memory, CPU, open files
+    assert values["process_resident_memory_bytes"] > 10e6 and values["process_open_fds"] > 0
+    assert values["process_cpu_seconds_total"] > 0
+
+
+def test_k_as_a_multipart_field_and_the_health_schemas(server, jpegs):
+    files = [("image", ("a.jpg", jpegs[0][1], "image/jpeg"))]
+    r = httpx.post(f"{server.url}/predict", files=files, data={"k": "1"})
+    assert r.status_code == 200 and len(r.json()["results"][0]) == 1
+    r = httpx.post(f"{server.url}/predict", files=files, data={"k": "many"})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    for path in ("/healthz", "/readyz"):
+        schema = doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/Health"}
+    assert "status" in doc["components"]["schemas"]["Health"]["properties"]
 
 
 def test_streaming_ingest_acknowledges_each_message(server, jpegs):

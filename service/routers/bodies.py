@@ -232,7 +232,7 @@ def too_many(limit: int, got: int | None = None) -> InputError:
 
 async def read_form(request: Request, models: BodyModels, with_labels: bool):
     """The images (and labels and ids) of a multipart body; any other field is refused, as JSON
-    refuses unknown fields."""
+    refuses unknown fields. Without labels (a prediction): the images and the `k` fields."""
     n = models.max_samples
     try:
         form = await request.form(max_files=n, max_fields=3 * n)  # images sent as text parts are fields
@@ -240,7 +240,7 @@ async def read_form(request: Request, models: BodyModels, with_labels: bool):
         if "Too many" in str(exc.detail):
             raise too_many(n) from None
         raise InputError("invalid_multipart", f"the multipart body cannot be parsed: {exc.detail}", 400) from None
-    known = {"image", "label", "id"} if with_labels else {"image"}
+    known = {"image", "label", "id"} if with_labels else {"image", "k"}
     unknown = sorted({key for key in form.keys() if key not in known})
     if unknown:
         raise InputError("invalid_request", f"unknown multipart fields {unknown}; send {sorted(known)}", 422)
@@ -252,7 +252,7 @@ async def read_form(request: Request, models: BodyModels, with_labels: bool):
     blobs = [await p.read() if isinstance(p, UploadFile) else text_part_bytes(p) for p in parts]
     files = parts
     if not with_labels:
-        return blobs, [], []
+        return blobs, [v for v in form.getlist("k") if isinstance(v, str)], []
     labels = [v for v in form.getlist("label") if isinstance(v, str)]
     ids = [v for v in form.getlist("id") if isinstance(v, str)]
     if len(labels) == 1 and len(files) > 1:
@@ -269,8 +269,12 @@ async def predict_request_images(request: Request, models: BodyModels) -> tuple[
     """The images (and k) of a POST /predict body, JSON or multipart."""
     if content_kind(request) == "json":
         return models.predict_json(await request.body())
-    blobs, _, _ = await read_form(request, models, with_labels=False)
-    return blobs, None
+    blobs, k_fields, _ = await read_form(request, models, with_labels=False)
+    if not k_fields:
+        return blobs, None
+    if len(k_fields) > 1 or not k_fields[0].strip().isdigit() or int(k_fields[0]) < 1:
+        raise InputError("invalid_request", f"k must be one whole number of 1 or more, got {k_fields}", 422)
+    return blobs, int(k_fields[0])
 
 
 def text_part_bytes(text: str) -> bytes:

@@ -66,6 +66,11 @@ class Lag(BaseModel):
                             "(ASER_LEAN_WHEN_BEHIND)")
 
 
+class Health(BaseModel):
+    status: str = Field(description="ok (/healthz); ready, or not ready (/readyz)")
+    detail: str | None = Field(None, description="why not ready: the worker's error")
+
+
 class Storage(BaseModel):
     database_bytes: int = Field(description="the SQLite database on disk, its write-ahead log included")
     disk_free_bytes: int = Field(description="free space on the data directory's file system")
@@ -177,12 +182,13 @@ def router(settings: Settings) -> APIRouter:
         points = await run_in_threadpool(request.app.state.runtime.worker.history.since, since, limit)
         return points
 
-    @api.get("/healthz")
+    @api.get("/healthz", response_model=Health)
     async def healthz():
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @api.get("/readyz", responses={503: {"description": "the learner worker has stopped"}})
+    @api.get("/readyz", response_model=Health,
+             responses={503: {"model": Health, "description": "the learner worker has stopped"}})
     async def readyz(request: Request):
         """Readiness: the learner worker runs."""
         worker = request.app.state.runtime.worker
