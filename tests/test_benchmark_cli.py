@@ -97,3 +97,20 @@ def test_via_paces_the_stream_at_wall_clock_rate(tmp_path, cache_dir):
                 "--stream-rate", "2x")
     finally:
         server.stop()
+
+
+def test_via_scores_a_model_that_has_learned_nothing_as_wrong(tmp_path, cifar10_slice):
+    """On a busy machine a fast stream can reach its first evaluation before the service has learned
+    any class (it answers 409 no_classes): that model is wrong on every test image, not a crash. A
+    service that never trains (its batch never fills) stands for it, deterministically."""
+    from clients.api import ServiceClient
+    from clients.bench.via_service import evaluate_via
+
+    from .test_service import Server
+
+    server = Server(tmp_path / "svc", method="er", batch_size=100000, max_batch_wait_s=1e6).start()
+    try:
+        with ServiceClient(server.url) as client:
+            assert evaluate_via(client, cifar10_slice, [[0, 1], [2, 3]], chunk=50) == [0.0, 0.0]
+    finally:
+        server.stop()
