@@ -31,7 +31,7 @@ every slot for each valuation.
 >>> import torch
 >>> from learner.buffer import ReplayBuffer
 >>> buf = ReplayBuffer(4, (1, 1, 1))
->>> ctx = type("C", (), {"generator": torch.Generator().manual_seed(0), "num_classes": 3})()
+>>> ctx = type("C", (), {"generator": torch.Generator().manual_seed(0), "stats": {}})()
 >>> update = ClassBalancedUpdate("random")
 >>> update.update(buf, torch.zeros(6, 1, 1, 1, dtype=torch.uint8), torch.tensor([0, 0, 0, 0, 1, 2]), ctx)
 >>> sorted(buf.class_counts().items()), update.seen
