@@ -224,6 +224,8 @@ class SnapshotStore:
             for row in old:  # after the commit: a crash before it leaves every listed file in place
                 (self.directory / row["file"]).unlink(missing_ok=True)
             self.latest_classes = tuple(job.classes)
+            log.info("snapshot %d: %d classes, model version %d, %d steps (%s), %.1f MB", sid, len(job.classes),
+                     job.metadata["model_version"], job.metadata["steps"], reason, size / 2**20)
             return self.get(sid)
         except BaseException:
             self._count(failures=1)

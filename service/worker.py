@@ -141,6 +141,7 @@ class LearnerWorker:
         self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size) if settings.max_lag_s else None
         self._follow_lineage()
         self.lean_when_behind = bool(settings.option("lean_when_behind"))  # of the method the lineage has
+        self._over_lag_bound = False  # in a lag-bound episode (logged once when it begins and when it ends)
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
         self.history = History(db, settings.history_max_points)
@@ -264,8 +265,15 @@ class LearnerWorker:
         if not entries:
             return False
         if self.catch_up and self.catch_up.due(time.time(), entries[0].received):
+            if not self._over_lag_bound:
+                self._over_lag_bound = True
+                log.warning("lag: the oldest waiting sample is over ASER_MAX_LAG_S (%g s); samples older than half of "
+                            "it are skipped until the learner has caught up", self.settings.max_lag_s)
             self._skip_behind()
             return True
+        if self._over_lag_bound:
+            self._over_lag_bound = False
+            log.info("lag: back within ASER_MAX_LAG_S; %d samples skipped so far", self.learner.samples_skipped)
         if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
             return False  # wait for a full batch a little longer
         lean = bool(self.lean_when_behind and self.catch_up
@@ -418,9 +426,14 @@ class LearnerWorker:
     def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
         self._refresh_ncm_head(refresh_head)
+        known = set(self.published.predictor.labels) if getattr(self, "published", None) else None
         # one object, one swap: a reader never sees the model of one step beside the memory of another
         self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
                                                           self._ncm), MemoryView.of(self.learner))
+        if known is not None:
+            for label in sorted(set(self.published.predictor.labels) - known):
+                log.info("learner: new class %r (%d classes, step %d)", label, len(self.published.predictor.labels),
+                         self.learner.steps)
 
     @property
     def predictor(self) -> "Predictor":

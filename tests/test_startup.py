@@ -55,13 +55,15 @@ def test_a_port_in_use_is_one_line(tmp_path):
 def test_the_log_says_what_learns_and_where_it_resumed(tmp_path, jpegs):
     server = Server(tmp_path, checkpoint_every_steps=1, batch_size=10).start()
     try:
-        files = [("image", (f"{i}.jpg", img, "image/jpeg")) for i, (_, img) in enumerate(jpegs[:20])]
-        assert httpx.post(f"{server.url}/samples", files=files, data={"label": [lab for lab, _ in jpegs[:20]]}).status_code == 201
+        files = [("image", (f"{i}.jpg", img, "image/jpeg")) for i, (_, img) in enumerate(jpegs[10:30])]
+        labels = [lab for lab, _ in jpegs[10:30]]  # 10 airplanes, 10 frogs
+        assert httpx.post(f"{server.url}/samples", files=files, data={"label": labels}).status_code == 201
         wait_trained(server, 20)
     finally:
         server.stop()
     first = server.log_path.read_text()
     assert "learner: sv-upd" in first and "M=50" in first and "a new lineage" in first
+    assert "new class 'airplane'" in first and "new class 'frog'" in first and "snapshot 1: " in first
     server = Server(tmp_path, checkpoint_every_steps=1, batch_size=10).start()
     server.stop()
     assert "resumed from a checkpoint at sample 20" in server.log_path.read_text()
