@@ -101,7 +101,7 @@ def open_image(source, size: int) -> np.ndarray:
     except IsADirectoryError:
         raise SnapshotError(f"{name}: a directory, not an image") from None
     except ImageRejected as exc:
-        raise SnapshotError(f"{name}: {exc.detail}") from None
+        raise SnapshotError(f"{name}: not a readable image ({exc.detail})") from None
 
 
 def positive(text: str) -> int:

@@ -149,8 +149,8 @@ def test_slow_clients_are_cut_off(strict_server):
 
 
 def test_a_body_that_trickles_is_cut_off_at_its_deadline(tmp_path):
-    """One byte every 0.5 s never stalls for the 1 s chunk timeout, yet the whole body has 3 s."""
-    server = Server(tmp_path / "svc", body_timeout_s=1, body_deadline_s=3).start()
+    """One byte every 0.5 s never stalls for the 10 s chunk timeout, yet the whole body has 3 s."""
+    server = Server(tmp_path / "svc", body_timeout_s=10, body_deadline_s=3).start()
     try:
         with contextlib.closing(raw_socket(server)) as sock:
             sock.sendall(b"POST /samples HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
