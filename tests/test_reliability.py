@@ -387,7 +387,9 @@ def test_torture_concurrent_use_and_kills_lose_nothing(tmp_path):
 
     result = run(CIFAR10_ZIP, seconds=30, kill_every=7, rate=30, data_dir=tmp_path / "svc")
     assert result["problems"] == [] and result["passed"]
-    assert result["kills"] >= 2 and result["server_errors"] == {}
+    # kills start once the first snapshot is out and each restart takes what the machine gives it: on a
+    # loaded 2-core machine 30 s hold one or two (a wall-clock count, so the test asks for one)
+    assert result["kills"] >= 1 and result["server_errors"] == {}
     assert result["samples_trained"] == result["samples_received"] == result["samples_sent"] > 300
     assert result["duplicates_on_resend"] == result["samples_sent"]
     assert min(result["acknowledged_before_the_check"].values()) > 50
