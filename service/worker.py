@@ -36,8 +36,8 @@ from learner.model import scale_pixels
 from learner.ncm import ncm_head
 
 from .checkpoints import CheckpointStore
-from .db import Database
-from .errors import NoClassesYet
+from .db import Database, is_disk_full
+from .errors import NoClassesYet, StorageFull
 from .metrics import Metrics
 from .online import History, HistoryPoint, OnlineAccuracy
 from .settings import Settings
@@ -459,8 +459,12 @@ class LearnerWorker:
         """Persist the lineage; a failure (disk full, say) is logged and retried later."""
         try:
             self.checkpoints.save(self.learner, self.trained_upto, extra={"online": self.online.state_dict()})
-        except Exception:
-            log.exception("checkpoint failed; training goes on, the previous checkpoint stays in force")
+        except Exception as exc:
+            if isinstance(exc, StorageFull) or is_disk_full(exc):  # expected on a full disk: one line, no trace
+                log.warning("checkpoint failed: the disk is full; training goes on, the previous checkpoint stays "
+                            "in force")
+            else:
+                log.exception("checkpoint failed; training goes on, the previous checkpoint stays in force")
             self.checkpoint_failures += 1
             self.metrics.checkpoint_failures.inc()
             self._last_checkpoint_try = self.progress()

@@ -13,7 +13,7 @@ from PIL import Image
 from learner.snapshot_format import MAX_PIXELS, ImageRejected, read_image
 
 from .conftest import CIFAR10_ZIP, MINI_ZIP
-from .test_service import Server, b64, status
+from .test_service import Server, b64, status, wait_trained
 
 TIMEOUT = 180
 
@@ -132,6 +132,7 @@ def test_the_service_and_the_onnx_client_apply_the_same_rule(tmp_path, photo):
                 "extreme_aspect_ratio", "too_many_pixels", "corrupt_image", "unsupported_mode"), (name, r.text)
             assert 400 <= httpx.post(f"{server.url}/predict", json={"images": [b64(data)]}).status_code < 500
         assert status(server)["samples_received"] == 40
+        wait_trained(server, 40)  # both classes learned: the snapshot below answers what /predict did
         exif = Image.Exif()
         exif[0x0112] = 6
         upright = Image.open(io.BytesIO(photo)).rotate(-90, expand=True)
