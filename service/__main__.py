@@ -20,8 +20,6 @@ def usage(what: str) -> str:
     lines = [f"usage: python -m {what}", "", "Settings come from ASER_* environment variables or a .env file:", ""]
     for name, field in Settings.model_fields.items():
         default = "(unset)" if field.default is None else repr(field.default)
-        if "token" in name:
-            default = "(unset)"
         lines.append(f"  ASER_{name.upper():<28} default {default}")
         if field.description:
             lines += [f"      {line}" for line in textwrap.wrap(field.description, 90)]

@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 
 from . import __version__
-from .guard import WebPageGuard, allowed_hosts, is_loopback
+from .guard import WebPageGuard, allowed_hosts
 from .metrics import Metrics
 from .routers import dashboard, ingest, memory, operations, predict, snapshots
 from .routers.bodies import BodyModels
@@ -40,8 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # a stream's total size is unbounded; each of its messages is limited instead
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s,
                        deadline_s=settings.body_deadline_s, exempt=frozenset({"/samples/stream"}))
-    app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host,
-                                                         is_loopback(settings.host)))
+    app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host))
     install_error_handlers(app, metrics)
     app.include_router(ingest.router(settings, models))
     app.include_router(predict.router(settings, models))

@@ -43,11 +43,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def allowed_hosts(configured: list[str] | None, bind_host: str, loopback: bool) -> frozenset[str] | None:
-    """The host names to answer; None: any."""
+def allowed_hosts(configured: list[str] | None, bind_host: str) -> frozenset[str] | None:
+    """The host names to answer; None: any.
+
+    >>> sorted(allowed_hosts(None, "127.0.0.1")), allowed_hosts(None, "0.0.0.0"), allowed_hosts(["*"], "127.0.0.1")
+    (['127.0.0.1', '::1', 'localhost'], None, None)
+    """
     if configured:
         return None if "*" in configured else frozenset(host_name(h) for h in configured)
-    return frozenset({*LOOPBACK_NAMES, host_name(bind_host)}) if loopback else None
+    return frozenset({*LOOPBACK_NAMES, host_name(bind_host)}) if is_loopback(bind_host) else None
 
 
 class WebPageGuard:

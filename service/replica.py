@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from learner.snapshot_format import OnnxSnapshot, top_k
 
 from .errors import NoSnapshotYet
-from .guard import WebPageGuard, allowed_hosts, is_loopback
+from .guard import WebPageGuard, allowed_hosts
 from .inputs import decode_base64, decode_images
 from .metrics import Metrics
 from .routers.auth import require
@@ -96,8 +96,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.follower, app.state.started = settings, follower, time.time()
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s,
                        deadline_s=settings.body_deadline_s)
-    app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host,
-                                                         is_loopback(settings.host)))
+    app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host))
     install_error_handlers(app, metrics)
     models = BodyModels(settings)
 

@@ -142,6 +142,7 @@ class LearnerWorker:
         self._follow_lineage()
         self.lean_when_behind = bool(settings.option("lean_when_behind"))  # of the method the lineage has
         self._over_lag_bound = False  # in a lag-bound episode (logged once when it begins and when it ends)
+        self.published: Published | None = None  # what readers see; set by publish()
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
                                        settings.snapshot_timeout_s, settings.snapshot_keep)
         self.history = History(db, settings.history_max_points)
@@ -426,7 +427,7 @@ class LearnerWorker:
     def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
         self._refresh_ncm_head(refresh_head)
-        known = set(self.published.predictor.labels) if getattr(self, "published", None) else None
+        known = set(self.published.predictor.labels) if self.published is not None else None
         # one object, one swap: a reader never sees the model of one step beside the memory of another
         self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
                                                           self._ncm), MemoryView.of(self.learner))
