@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from .ema import WeightAverage
 from .latent import Latent
-from .model import ReducedResNet18, fold_batchnorm, scale_pixels
+from .model import ReducedResNet18, fold_batchnorm, recompute_bn, scale_pixels
 from .policy import StepContext
 
 
@@ -26,6 +26,9 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 
 
 FORGOTTEN_LOGIT = -1e4
+# where the served model's BatchNorm statistics come from: the moving average of the trained ones, or
+# a pass of the averaged weights over the replay memory (`ContinualLearner.refresh_serving_bn`)
+SERVING_BN = ("average", "memory")
 
 
 class ContinualLearner:
@@ -34,7 +37,7 @@ class ContinualLearner:
     def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
                  device: str | torch.device = "cpu", seed: int = 0, channels_last: bool | None = None,
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
-                 compile: bool = False, ema_decay: float | None = None):
+                 compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average"):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -58,6 +61,10 @@ class ContinualLearner:
         self.optimizer = self._make_optimizer()
         # serving weights: an average of the trained ones (`learner.ema`), or the trained ones
         self.ema = WeightAverage(self.model, ema_decay) if ema_decay else None
+        if serving_bn not in SERVING_BN:
+            raise ValueError(f"unknown serving_bn {serving_bn!r}; choose one of {', '.join(SERVING_BN)}")
+        self.serving_bn = serving_bn
+        self._bn_recomputed: ReducedResNet18 | None = None  # the served copy, with serving_bn="memory"
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
         self.steps = 0
@@ -206,9 +213,48 @@ class ContinualLearner:
         return self._eval_map(lambda x: head(features(x)), images, batch_size)
 
     @property
-    def serving_model(self) -> ReducedResNet18:
-        """The weights predictions come from: the moving average with `ema_decay`, else the trained ones."""
+    def averaged_model(self) -> ReducedResNet18:
+        """The moving average with `ema_decay`, else the trained weights."""
         return self.ema.model if self.ema is not None else self.model
+
+    @property
+    def serving_model(self) -> ReducedResNet18:
+        """The weights predictions come from: `averaged_model`, or with serving_bn="memory" its copy with
+        BatchNorm statistics recomputed on the memory at the last `refresh_serving_bn`."""
+        if self.serving_bn == "memory" and self._bn_recomputed is not None:
+            return self._bn_recomputed
+        return self.averaged_model
+
+    def teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """The moving average's eval-mode logits of uint8 images, without gradients (the
+        distillation teacher, `learner.objective`)."""
+        with torch.no_grad(), self._autocast():
+            return self.averaged_model(self.to_input(images)).float()
+
+    def refresh_serving_bn(self) -> None:
+        """With serving_bn="memory": copy the averaged weights and recompute their BatchNorm
+        statistics on the replay memory as it is now (SWA's `update_bn`, `learner.model.recompute_bn`):
+        one train-mode forward pass over the memory, no gradients. Run it where predictions are
+        taken (an evaluation, a publication), not every step. A learner without a memory, or with
+        an empty one, serves `averaged_model`."""
+        buffer = getattr(self, "buffer", None)
+        if self.serving_bn != "memory" or buffer is None or len(buffer) == 0:
+            self._bn_recomputed = None
+            return
+        self._bn_recomputed = recompute_bn(self.averaged_model, buffer.images[:len(buffer)], self.to_input)
+        self._folded = None  # the served weights changed
+
+    @contextmanager
+    def serving_bn_from(self, source: str):
+        """Serve with `source` statistics ("average" or "memory", refreshed now) inside the block,
+        then as before: the benchmark evaluates both on the same run."""
+        before, served = self.serving_bn, self._bn_recomputed
+        self.serving_bn = source
+        self.refresh_serving_bn()
+        try:
+            yield self
+        finally:
+            self.serving_bn, self._bn_recomputed, self._folded = before, served, None
 
     def inference_features(self, dtype: torch.dtype | None = None, serving: bool = True):
         """Eval-mode f_ext with BatchNorm folded into the convolutions (in `dtype`, fp32 by
@@ -247,6 +293,8 @@ class ContinualLearner:
                 self.ema.grow(self.model)
             self.optimizer = self._make_optimizer()
             self.version += 1
+            if self._bn_recomputed is not None:  # the served copy answers the new classes too
+                self.refresh_serving_bn()
 
     def forget_class(self, class_id: int) -> int:
         """Forget a class: its samples leave the memory and its head output is silenced for good
@@ -260,9 +308,9 @@ class ContinualLearner:
     def _silence_forgotten(self) -> None:
         # a logit of -1e4 gets probability exactly 0 in float32 softmax, so the row also gets no
         # gradient; finite, so no inf - inf anywhere
-        rows = [c for c in self.forgotten if c < self.model.num_classes]
         with torch.no_grad():
-            for net in {self.model, self.serving_model}:
+            for net in {self.model, self.averaged_model, self.serving_model}:
+                rows = [c for c in self.forgotten if c < net.num_classes]
                 net.head.weight[rows] = 0.0
                 net.head.bias[rows] = FORGOTTEN_LOGIT
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .agem import AGEM
-from .augment import BatchAugment
+from .augment import make_augment
 from .balanced import VICTIM_RULES, ClassBalancedUpdate, update_name as balanced_name
 from .base import ContinualLearner
 from .ewc import EWCpp
@@ -96,15 +96,18 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
                  exclude_current_task: bool = False, mir_subsample: int | None = None,
                  gss_batches: int | None = None, ewc_lambda: float = 100.0,
                  per_class: int | None = None, loss: str = "ce", step: str = "joint", iterations: int = 1,
-                 augment: bool = False, feature_max_age: int = 100, **kwargs) -> ContinualLearner:
+                 augment: bool | str = False, distill: float = 0.0, feature_max_age: int = 100,
+                 **kwargs) -> ContinualLearner:
     """Build `method` for a stream with `num_classes` classes (the head's initial width).
 
     `loss` (ce | ace) and `step` (joint | separate) choose the replay methods' objective
-    (`learner.objective`); `iterations` (SGD steps per incoming batch) and `augment` (crop + flip
-    of every training batch) are the replay methods' repeated augmented rehearsal
-    (`learner.replay`). `feature_max_age`: the class-balanced KNN-SV rules value the memory on
-    cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
-    autocast_dtype, latent_dtype, compile, ema_decay).
+    (`learner.objective`); `iterations` (SGD steps per incoming batch) and `augment` (True or
+    "crop-flip": crop + flip of every training batch; "strong": `learner.augment.StrongAugment`) are
+    the replay methods' repeated augmented rehearsal (`learner.replay`); `distill` weighs the moving
+    average's distillation term (`learner.objective`; needs `ema_decay`). `feature_max_age`: the
+    class-balanced KNN-SV rules value the memory on cached features at most this many optimizer
+    steps old (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape,
+    channels_last, autocast_dtype, latent_dtype, compile, ema_decay, serving_bn).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.
@@ -112,9 +115,12 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     paper = PAPER_SETTINGS.get(dataset, PAPER_SETTINGS["cifar10"])
-    objective = ReplayObjective(loss, step)
+    objective = ReplayObjective(loss, step, distill)
     if method not in REPLAY_METHODS and objective != ReplayObjective():
-        raise ValueError(f"--loss and --step apply to the replay methods ({', '.join(REPLAY_METHODS)}), not {method}")
+        raise ValueError(f"--loss, --step and --distill apply to the replay methods ({', '.join(REPLAY_METHODS)}), "
+                         f"not {method}")
+    if distill and not kwargs.get("ema_decay"):
+        raise ValueError("--distill needs a moving average to teach (--ema)")
     if method not in REPLAY_METHODS and (iterations != 1 or augment):
         raise ValueError(f"--iterations and --augment apply to the replay methods, not {method}")
     if method in ("finetune", "iid-online", "iid-offline"):
@@ -147,7 +153,7 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     if isinstance(update, ClassBalancedUpdate):
         lean_update = update.lean_form()
     lean_retrieval = retrievals[LEAN_POLICIES[retrieval_name]]() if retrieval_name in LEAN_POLICIES else retrieval
-    augmenter = BatchAugment(seed=kwargs.get("seed", 0) + 1) if augment else None  # its own stream of draws
+    augmenter = make_augment(augment, seed=kwargs.get("seed", 0) + 1)  # its own stream of draws
     return ReplayLearner(num_classes, update, retrieval, mem_size=mem_size, replay_batch=replay_batch,
                          exclude_current_task=exclude_current_task, objective=objective, iterations=iterations,
                          augment=augmenter, lean_policies=(lean_update, lean_retrieval), **kwargs)

@@ -16,6 +16,8 @@ torch.Size([1, 12])
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -116,6 +118,29 @@ def _fusable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
+def recompute_bn(net: ReducedResNet18, images: torch.Tensor, to_input, chunk: int = 256) -> ReducedResNet18:
+    """A copy of `net` in eval mode whose BatchNorm running statistics are recomputed on uint8
+    `images` (`to_input` makes the model's input of them): one train-mode forward pass without
+    gradients, statistics averaged over equal chunks of at most `chunk` images (SWA's
+    `torch.optim.swa_utils.update_bn`). Under a moving average of the weights the averaged
+    statistics belong to no single set of weights; these belong to the averaged ones. `net` is
+    untouched.
+
+    >>> net = ReducedResNet18(3).eval()
+    >>> images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    >>> fresh = recompute_bn(net, images, scale_pixels)
+    >>> expected = net.conv1(scale_pixels(images)).mean((0, 2, 3))  # one chunk: its exact mean
+    >>> torch.allclose(fresh.bn1.running_mean, expected, atol=1e-5), fresh.training
+    (True, False)
+    """
+    copy = deepcopy(net)
+    copy.requires_grad_(False)
+    n_chunks = max(1, -(-images.shape[0] // chunk))
+    with torch.no_grad():
+        torch.optim.swa_utils.update_bn((to_input(part) for part in images.tensor_split(n_chunks)), copy)
+    return copy.eval()
+
+
 def fold_batchnorm(net: ReducedResNet18, dtype: torch.dtype | None = None):
     """f_ext in eval mode with every BatchNorm folded into its convolution.
 

@@ -13,7 +13,9 @@ Two options compose with every policy pair:
   The memory update runs once, after the last step, as with N = 1.
 - `augment` (`learner.augment`): the incoming and replayed images of each step are cropped and
   flipped afresh; the memory stores the incoming samples as they came.
-A lean step (`observe(..., lean=True)`, for a learner behind its stream) takes neither: one step,
+The objective's distillation term (`learner.objective`, `distill`) composes with both: the moving
+average teaches each of the N steps.
+A lean step (`observe(..., lean=True)`, for a learner behind its stream) takes none of them: one step,
 with the policies' lean forms (`lean_policies`, `learner.methods.LEAN_POLICIES`: ASER's KNN-SV
 update and ASV retrieval give way to the reservoir and random draws, which need no feature pass),
 so it costs what ER's step costs. Samples skipped behind the stream reach the memory through the
@@ -22,11 +24,13 @@ lean update too (`pass_through(..., lean=True)`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.nn import functional as F
 
 from .base import ContinualLearner
-from .augment import BatchAugment
+from .augment import Augment
 from .buffer import ReplayBuffer
 from .latent import Latent
 from .objective import ReplayObjective
@@ -37,7 +41,7 @@ class ReplayLearner(ContinualLearner):
     def __init__(self, num_classes: int, update: MemoryUpdate, retrieval: MemoryRetrieval, mem_size: int,
                  replay_batch: int = 10, exclude_current_task: bool = False,
                  objective: ReplayObjective = ReplayObjective(), iterations: int = 1,
-                 augment: BatchAugment | None = None,
+                 augment: Augment | None = None,
                  lean_policies: tuple[MemoryUpdate, MemoryRetrieval] | None = None, **kwargs):
         super().__init__(num_classes, **kwargs)
         if iterations < 1:
@@ -66,22 +70,25 @@ class ReplayLearner(ContinualLearner):
         return (policy or self.retrieval_policy).retrieve(self.buffer, images, labels, self.replay_batch, ctx)
 
     def _observe(self, images, labels):
-        return self._steps(images, labels, self.iterations, self.augment, self.update_policy, self.retrieval_policy)
+        return self._steps(images, labels, self.iterations, self.augment, self.update_policy, self.retrieval_policy,
+                           self.objective)
 
     def _lean_observe(self, images, labels):
-        """One step without augmentation, with the policies' lean forms: ER's cost, whatever the
-        method and its options."""
-        return self._steps(images, labels, 1, None, self.lean_update, self.lean_retrieval)
+        """One step without augmentation or distillation, with the policies' lean forms: ER's
+        cost, whatever the method and its options."""
+        return self._steps(images, labels, 1, None, self.lean_update, self.lean_retrieval,
+                           replace(self.objective, distill=0.0))
 
-    def _steps(self, images, labels, iterations: int, augment: BatchAugment | None, update: MemoryUpdate,
-               retrieval: MemoryRetrieval) -> dict:
+    def _steps(self, images, labels, iterations: int, augment: Augment | None, update: MemoryUpdate,
+               retrieval: MemoryRetrieval, objective: ReplayObjective) -> dict:
         ctx = self.context()
+        teacher = self.teacher_logits if objective.distill else None
         replayed, incoming = 0, 0
         for _ in range(iterations):
             slots = self.retrieve(images, labels, ctx, retrieval)
             replay_x, replay_y = self.buffer.images[slots], self.buffer.labels[slots]
             x, rx = (images, replay_x) if augment is None else (augment(images), augment(replay_x))
-            loss = self.optimize(lambda: self.objective(self.forward_logits, x, labels, rx, replay_y))
+            loss = self.optimize(lambda: objective(self.forward_logits, x, labels, rx, replay_y, teacher))
             ctx.latent = Latent(self.extract, self.buffer, self.version)  # the weights just changed
             # replayed samples of the incoming batch's classes: what lets new classes compete with the
             # old ones under ACE, whose incoming term masks every absent class. A tensor, like the loss:

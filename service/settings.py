@@ -10,10 +10,10 @@ ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
 >>> Settings(method="ewc", loss="ce").check_learner()  # what EWC minimises anyway
 >>> Settings(method="ewc", loss="ace").check_learner()
 Traceback (most recent call last):
-ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, not ewc
+ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the replay methods, not ewc
 >>> Settings(method="ewc", augment=True).check_learner()
 Traceback (most recent call last):
-ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, not ewc
+ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the replay methods, not ewc
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from learner.catch_up import MEMORY_SHARE
 
 # the settings that decide how a lineage trains (its checkpoints' identity)
-LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations")
+LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations", "distill")
 # The learner's options where unset: on where the evidence earned it (docs/results.md). ER-ACE with the
 # stronger learner's three gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired
 # seeds, 2.1x ER's step); under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default,
 # but the moving average alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost), and
 # behind a stream at 2x / 4x ER's pace lean steps add +22.3 +- 5.2 / +22.6 +- 4.9 to it and +4.6 +- 6.2 /
 # +4.9 +- 4.3 to the best configuration (3 paired seeds each).
-OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False}
+OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False, "distill": 0.0}
 TUNED_DEFAULTS = {"er": {**OPTIONS_OFF, "augment": True, "iterations": 2, "ema": 0.99, "lean_when_behind": True},
                   "sv-upd": {**OPTIONS_OFF, "ema": 0.99, "lean_when_behind": True}}
 
@@ -66,12 +66,21 @@ class Settings(BaseSettings):
     loss: Literal["ce", "ace"] = Field("ace", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
                                        "cross-entropy (ace)")
     # the stronger learner's options; unset, each takes its method's default (TUNED_DEFAULTS)
-    augment: bool | None = Field(None, description="replay methods: random crop + flip of every training batch "
-                                 "(unset: on for er, off for the others)")
+    augment: bool | Literal["strong"] | None = Field(None, description="replay methods: random crop + flip of "
+                                                     "every training batch (true); strong: random resized crop, "
+                                                     "flip, colour jitter and grayscale (unset: true for er, off "
+                                                     "for the others)")
     iterations: int | None = Field(None, ge=1, le=16, description="replay methods: SGD steps per incoming batch, "
                                    "each with a fresh replay draw (unset: 2 for er, 1 for the others)")
     ema: float | None = Field(None, ge=0, lt=1, description="predictions and snapshots from a moving average of "
                               "the weights with this decay (0: the trained weights; unset: 0.99 for er and sv-upd, 0 for the others)")
+    distill: float | None = Field(None, ge=0, description="replay methods, with ASER_EMA: the moving average "
+                                  "teaches, a distillation term of this weight (unset: 0, off)")
+    serving_bn: Literal["average", "memory"] = Field("average", description="the served BatchNorm statistics: the "
+                                                     "moving average's, or recomputed on the memory every "
+                                                     "ASER_SERVING_BN_REFRESH_STEPS steps (and when the memory's "
+                                                     "classes change), the served weights that old at most")
+    serving_bn_refresh_steps: int = Field(50, ge=1)
     head: Literal["softmax", "ncm"] = Field("softmax", description="what predictions and snapshots answer with: "
                                             "the softmax head, or nearest class mean on the memory's features")
     ncm_refresh_steps: int = Field(50, ge=1, description="with ASER_HEAD=ncm: recompute the class means every N "
@@ -155,11 +164,14 @@ class Settings(BaseSettings):
 
         if self.method not in METHODS:
             raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
-        chosen = {f: getattr(self, f) for f in ("step", "loss", "augment", "iterations") if f in self.model_fields_set}
+        chosen = {f: getattr(self, f) for f in ("step", "loss", "augment", "iterations", "distill")
+                  if f in self.model_fields_set}
         neutral = {("step", "joint"), ("loss", "ce"), *OPTIONS_OFF.items()}
         if self.method not in REPLAY_METHODS and chosen.items() - neutral:
-            raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT and ASER_ITERATIONS apply to the replay methods, "
-                             f"not {self.method}")
+            raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the "
+                             f"replay methods, not {self.method}")
+        if self.option("distill") and not self.option("ema"):
+            raise ValueError("ASER_DISTILL needs a moving average to teach: set ASER_EMA")
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")
@@ -172,8 +184,8 @@ class Settings(BaseSettings):
         return {"step": self.step, "loss": self.loss} if self.method in REPLAY_METHODS else {}
 
     def stronger_learner(self) -> dict:
-        """ASER_AUGMENT, ASER_ITERATIONS and ASER_EMA for the learner, where they are on (the first
-        two for the replay methods; the average serves any method).
+        """ASER_AUGMENT, ASER_ITERATIONS, ASER_DISTILL and ASER_EMA for the learner, where they are on
+        (the first three for the replay methods; the average serves any method).
 
         >>> Settings(augment=True, ema=0.99).stronger_learner()
         {'augment': True, 'ema_decay': 0.99}
@@ -190,6 +202,7 @@ class Settings(BaseSettings):
         augment, iterations, ema = self.option("augment"), self.option("iterations"), self.option("ema")
         chosen = {"augment": (replay and augment) or None,
                   "iterations": iterations if replay and iterations != 1 else None,
+                  "distill": (replay and self.option("distill")) or None,
                   "ema_decay": ema or None}
         return {k: v for k, v in chosen.items() if v is not None}
 

@@ -1,5 +1,7 @@
-"""The stronger learner's options on real CIFAR-10 images: augmentation, repeated rehearsal, the
-moving-average serving weights, and runs that resume with all of them."""
+"""The stronger learner's options on real CIFAR-10 images: augmentation (crop + flip, and the
+stronger policy), repeated rehearsal, the moving-average serving weights, the average as a
+distillation teacher, BatchNorm statistics recomputed on the memory, and runs that resume with all
+of them."""
 
 import pytest
 import torch
@@ -7,11 +9,19 @@ from torch.nn import functional as F
 
 from clients.bench.benchmark import build_parser, run_once
 from learner import make_learner
-from learner.augment import BatchAugment
+from learner.augment import BatchAugment, StrongAugment
 from learner.data import load_dataset
+from learner.model import scale_pixels
+from learner.objective import ReplayObjective, distillation
 
 from .conftest import CIFAR10_ZIP
 from .test_resume import comparable, run_args
+
+
+def mixed(data, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n training images of every class, shuffled (the slice is in class order)."""
+    order = torch.randperm(data.train_y.numel(), generator=torch.Generator().manual_seed(0))[:n]
+    return data.train_x[order], data.train_y[order]
 
 
 def crops_of(image: torch.Tensor, padding: int) -> list[torch.Tensor]:
@@ -32,6 +42,100 @@ def test_augmentation_crops_and_flips_keeps_shapes_and_is_reproducible(cifar10_s
         assert any(torch.equal(augmented, c) for c in crops_of(original, 4))
     flipped = sum(not any(torch.equal(a, c) for c in crops_of(o, 4)[:81]) for o, a in zip(images, out))
     assert 10 < flipped < 54  # about half are mirrored
+
+
+def test_strong_augmentation_keeps_shapes_and_is_reproducible_from_its_seed(cifar10_slice):
+    images = cifar10_slice.train_x[:64]
+    out = StrongAugment(seed=3)(images)
+    assert out.shape == images.shape and out.dtype == torch.uint8
+    assert torch.equal(StrongAugment(seed=3)(images), out)
+    assert not torch.equal(StrongAugment(seed=4)(images), out)
+    changed = [not torch.equal(a, o) for a, o in zip(out, images)]
+    assert sum(changed) == 64  # a crop of area below 1 (or a resampled whole) changes every image
+    gray = sum(bool((a[0] == a[1]).all() and (a[1] == a[2]).all()) for a in out)
+    assert 3 <= gray <= 26  # grayscale with probability 0.2 (binomial 64, 0.2: mean 12.8, sd 3.2)
+    # the identity policy (whole image, no jitter, no grayscale) gives the image or its mirror back
+    identity = StrongAugment(scale=(1.0, 1.0), ratio=(1.0, 1.0), jitter=0.0, gray_p=0.0, seed=0)(images)
+    for a, o in zip(identity, images):
+        assert (a.int() - o.int()).abs().max() <= 1 or (a.int() - o.flip(-1).int()).abs().max() <= 1
+
+
+def test_the_memory_keeps_images_as_they_came_under_strong_augmentation(cifar10_slice):
+    learner = make_learner("cb-sv-duel", 10, mem_size=200, loss="ace", augment="strong", seed=0)
+    x, y = cifar10_slice.train_x[:100], cifar10_slice.train_y[:100]
+    for i in range(0, 100, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    kept = {(int(label), bytes(img.numpy())) for img, label in zip(learner.buffer.images[:100], learner.buffer.labels[:100])}
+    assert kept == {(int(label), bytes(img.numpy())) for img, label in zip(x, y)}
+
+
+def test_distillation_is_zero_when_student_and_teacher_agree_and_teaches_only_the_student(cifar10_slice):
+    learner = make_learner("er", 10, mem_size=50, loss="ace", ema_decay=0.99, distill=2.0, seed=0)
+    x, y = cifar10_slice.train_x[:20], cifar10_slice.train_y[:20]
+    learner.observe(x[:10], y[:10])  # one step: the student moved, the average barely
+    student = learner.forward_logits(x)
+    assert distillation(student, student.detach()).item() == pytest.approx(0.0, abs=1e-6)
+    # learner.teacher_logits is the average's eval-mode output; its weights get no gradient
+    with_kd = learner.objective(learner.forward_logits, x[10:], y[10:], x[:10], y[:10], learner.teacher_logits)
+    without = ReplayObjective("ace")(learner.forward_logits, x[10:], y[10:], x[:10], y[:10])
+    with torch.no_grad():
+        teacher = learner.averaged_model(scale_pixels(torch.cat([x[10:], x[:10]]))).float()
+    assert distillation(learner.forward_logits(torch.cat([x[10:], x[:10]])), teacher).item() > 0
+    learner.optimizer.zero_grad()
+    with_kd.backward()
+    assert all(p.grad is None for p in learner.averaged_model.parameters())
+    assert all(p.grad is not None for p in learner.model.parameters() if p.requires_grad)
+    assert with_kd.item() > without.item()  # the same batch, the same cross-entropy, plus the teacher's term
+    with pytest.raises(ValueError, match="teacher"):
+        learner.objective(learner.forward_logits, x[10:], y[10:], x[:10], y[:10])
+    with pytest.raises(ValueError, match="--ema"):
+        make_learner("er", 10, distill=1.0)
+
+
+def test_recomputed_statistics_equal_a_hand_computed_pass_over_the_memory(cifar10_slice):
+    learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, serving_bn="memory", seed=0)
+    x, y = mixed(cifar10_slice, 300)
+    for i in range(0, 300, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    assert learner.serving_model is learner.averaged_model  # nothing recomputed yet
+    averaged = {k: v.clone() for k, v in learner.averaged_model.state_dict().items()}
+    learner.refresh_serving_bn()
+    served = learner.serving_model
+    assert served is not learner.averaged_model
+    memory = scale_pixels(learner.buffer.images[:len(learner.buffer)])
+    with torch.no_grad():  # the first BatchNorm's input over the whole memory (200 images: one chunk)
+        first = learner.averaged_model.conv1(memory)
+    assert torch.allclose(served.bn1.running_mean, first.mean((0, 2, 3)), atol=1e-5)
+    assert torch.allclose(served.bn1.running_var, first.transpose(0, 1).flatten(1).var(1), rtol=1e-4)
+    assert not torch.allclose(served.bn1.running_mean, averaged["bn1.running_mean"], atol=1e-3)
+    for name, value in learner.averaged_model.state_dict().items():  # the average itself is untouched
+        assert torch.equal(value, averaged[name])
+    for name, value in served.state_dict().items():  # and the weights served are the average's
+        if "running" not in name and "num_batches" not in name:
+            assert torch.equal(value, averaged[name])
+    test = cifar10_slice.test_x[:200]
+    with learner.serving_bn_from("average"):
+        assert learner.serving_model is learner.averaged_model
+        by_average = learner.logits(test)
+    assert learner.serving_model is served and not torch.allclose(learner.logits(test), by_average, atol=1e-2)
+
+
+def test_an_onnx_snapshot_carries_the_recomputed_statistics(cifar10_slice, tmp_path):
+    from clients.onnx_client import OnnxClassifier
+    from service.snapshots import PixelsToLogits, export_onnx
+
+    learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, serving_bn="memory", seed=0)
+    x, y = mixed(cifar10_slice, 300)
+    for i in range(0, 300, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    learner.refresh_serving_bn()
+    export_onnx(PixelsToLogits(learner.serving_model, list(range(10))), cifar10_slice.class_names,
+                tmp_path / "bn.onnx", {"model_version": learner.version})
+    images = cifar10_slice.test_x[::8]
+    theirs = torch.from_numpy(OnnxClassifier(tmp_path / "bn.onnx").logits(images.numpy()))
+    assert torch.allclose(theirs, learner.logits(images), atol=1e-3)
+    with learner.serving_bn_from("average"):
+        assert not torch.allclose(theirs, learner.logits(images), atol=1e-2)
 
 
 def test_the_memory_stores_the_incoming_images_as_they_came(cifar10_slice):
@@ -165,20 +269,24 @@ def test_the_average_follows_a_growing_head_and_a_forgotten_class(cifar10_slice)
     assert (learner.logits(x[:20]).softmax(1)[:, 1] == 0).all()
 
 
-@pytest.mark.parametrize("method", ["er", "sv-upd"])
-def test_a_run_with_every_option_resumes_to_the_uninterrupted_result(tmp_path, cache_dir, method):
-    extra = ("--loss", "ace", "--augment", "--iterations", "2", "--ema", "0.9")
+@pytest.mark.parametrize("method,augment", [("er", []), ("sv-upd", []), ("cb-sv-duel", ["strong", "--distill", "1",
+                                                                                        "--serving-bn", "memory"])])
+def test_a_run_with_every_option_resumes_to_the_uninterrupted_result(tmp_path, cache_dir, method, augment):
+    extra = ("--loss", "ace", "--augment", *augment, "--iterations", "2", "--ema", "0.9")
     args = build_parser().parse_args(["run", *run_args(cache_dir, method, *extra)])
     data = load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir)
     checkpoint = tmp_path / "run.resume.pt"
     whole = run_once(args, data, 1, progress=False, checkpoint=checkpoint)
     resumed = run_once(args, data, 1, progress=False, checkpoint=checkpoint)
     assert comparable(resumed) == comparable(whole) and resumed["resumed_after_pass"] == [4]
-    assert whole["settings"]["augment"] and whole["settings"]["iterations"] == 2 and whole["settings"]["ema"] == 0.9
+    assert whole["settings"]["augment"] == (augment[0] if augment else True) and whole["settings"]["iterations"] == 2 and whole["settings"]["ema"] == 0.9
     assert whole["steps"] == 100  # incoming batches: 1000 samples of 10
     # the serving (average) head and the trained weights' own head, evaluated side by side
     assert len(whole["accuracy_matrix_trained"]) == 5 and whole["accuracy_matrix_trained"] != whole["accuracy_matrix"]
     assert resumed["accuracy_matrix_trained"] == whole["accuracy_matrix_trained"]
+    # and the serving head under the other BatchNorm statistics, paired on the same run
+    other = "accuracy_matrix_bn_average" if augment else "accuracy_matrix_bn_memory"
+    assert len(whole[other]) == 5 and resumed[other] == whole[other]
 
 
 def test_an_onnx_snapshot_with_the_ncm_head_predicts_as_the_learners_ncm(cifar10_slice, tmp_path):
@@ -206,7 +314,11 @@ def test_an_onnx_snapshot_with_the_ncm_head_predicts_as_the_learners_ncm(cifar10
     assert (theirs == ours).mean() > 0.99 and set(theirs.tolist()) <= set(present)
 
 
-def test_the_service_answers_with_the_ncm_head_and_its_snapshot_alike(tmp_path):
+@pytest.mark.parametrize("options", [{"head": "ncm", "ncm_refresh_steps": 2},
+                                    {"serving_bn": "memory", "serving_bn_refresh_steps": 2, "ema": 0.9}])
+def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
+    """The NCM head, or BatchNorm statistics recomputed on the memory: /predict and the ONNX
+    snapshot (what replicas serve) answer alike on real images."""
     import io
 
     import httpx
@@ -217,7 +329,7 @@ def test_the_service_answers_with_the_ncm_head_and_its_snapshot_alike(tmp_path):
     from .test_service import Server, b64, wait_trained
     from .test_online import two_classes
 
-    server = Server(tmp_path / "svc", method="er", head="ncm", ncm_refresh_steps=2).start()
+    server = Server(tmp_path / "svc", method="er", **options).start()
     try:
         samples = two_classes(30)
         body = {"samples": [{"label": label, "image": b64(img)} for label, img in samples]}
@@ -227,7 +339,9 @@ def test_the_service_answers_with_the_ncm_head_and_its_snapshot_alike(tmp_path):
         served = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in probe], "k": 2}).json()
         snap = httpx.post(f"{server.url}/snapshots").json()
         onnx = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{snap['id']}").content)
-        assert onnx.metadata["head"] == "ncm" and httpx.get(f"{server.url}/status").json()["config"]["head"] == "ncm"
+        config = httpx.get(f"{server.url}/status").json()["config"]
+        assert onnx.metadata["head"] == config["head"] == options.get("head", "softmax")
+        assert config["serving_bn"] == options.get("serving_bn", "average")
         for ours, theirs in zip(onnx.predict([io.BytesIO(i) for i in probe], k=2), served["results"]):
             assert [t["label"] for t in ours] == [t["label"] for t in theirs]
             assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)

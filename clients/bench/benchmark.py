@@ -25,6 +25,8 @@ from learner.catch_up import MEMORY_SHARE
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
 from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings
 from learner.ncm import memory_ncm
+from learner.augment import AUGMENTATIONS
+from learner.base import SERVING_BN
 from learner.objective import LOSSES, STEPS
 
 from .machine import machine_description, resolve_device
@@ -48,18 +50,28 @@ SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", "cb-value", "cb-d
 def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, list[float]]:
     """Test accuracy (percent) on each task's held-out set, by classifier: the softmax head of the
     serving weights ("head"), the nearest-class-mean classifier on the memory ("ncm", for a learner
-    with one), and with a moving average the trained weights' own head ("trained")."""
+    with one), with a moving average the trained weights' own head ("trained"), and for a learner
+    with a memory the serving head under the other BatchNorm statistics ("bn_memory": recomputed on
+    the memory, or "bn_average": the averaged ones), so that every run pairs the two."""
+    learner.refresh_serving_bn()  # an evaluation point
     ncm = memory_ncm(learner)
+    other_bn = OTHER_BN[learner.serving_bn] if len(getattr(learner, "buffer", ())) else None
     out: dict[str, list[float]] = {"head": [], **({"ncm": []} if ncm else {}),
                                    **({"trained": []} if learner.ema is not None else {})}
-    for classes in tasks:
-        x, y = task_test_set(data, classes)
+    test_sets = [task_test_set(data, classes) for classes in tasks]
+    for x, y in test_sets:
         out["head"].append(percent_correct(learner.predict(x).cpu(), y))
         if ncm is not None:
             out["ncm"].append(percent_correct(ncm.predict(learner.serving_features(x)).cpu(), y))
         if learner.ema is not None:
             out["trained"].append(percent_correct(learner.predict(x, serving=False).cpu(), y))
+    if other_bn is not None:
+        with learner.serving_bn_from(other_bn.removeprefix("bn_")):
+            out[other_bn] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
     return out
+
+
+OTHER_BN = {"average": "bn_memory", "memory": "bn_average"}  # the served statistics -> the other evaluation
 
 
 def percent_correct(pred: torch.Tensor, y: torch.Tensor) -> float:
@@ -154,13 +166,13 @@ def stream_costs(args, data: ImageDataset, device: torch.device) -> tuple[dict, 
     costs = cost_model(args, lambda: build_learner(args, data, device, 0), data, _command())
     if args.lean_when_behind:  # a lean step, and a skip behind, cost what its lean form's do
         lean = argparse.Namespace(**{**vars(args), "method": lean_method(args.method), "iterations": 1,
-                                     "augment": False})
+                                     "augment": False, "distill": 0.0})
         form = cost_model(lean, lambda: build_learner(lean, data, device, 0), data, _command())
         costs = {**costs, "lean_step_s": form["step_s"], "lean_skip_s_per_sample": form["skip_s_per_sample"]}
     rate = args.stream_rate
     if isinstance(rate, str) and rate.endswith("x"):  # a multiple of plain ER's throughput by its cost model
         er = argparse.Namespace(**{**vars(args), "method": "er", "loss": "ce", "step": "joint", "iterations": 1,
-                                   "augment": False, "ema": None})
+                                   "augment": False, "distill": 0.0, "ema": None})
         rate = float(rate[:-1]) * args.batch_size / cost_model(er, lambda: build_learner(er, data, device, 0),
                                                                data, _command())["step_s"]
     return costs, float(rate)
@@ -175,12 +187,20 @@ def _observed_accuracy(run: dict, per_task: bool) -> str:
     return f"accuracy on the observed tasks {sum(seen) / len(seen):.1f}%"
 
 
+def augment_policy(value: str) -> bool | str:
+    """--augment's value: crop-flip (also the flag alone) or strong."""
+    if value not in AUGMENTATIONS:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(AUGMENTATIONS)}")
+    return True if value == "crop-flip" else value
+
+
 def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
     return make_learner(
         args.method, data.num_classes, mem_size=args.mem_size, dataset=args.dataset, k=args.k,
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
         exclude_current_task=args.exclude_current_task, loss=args.loss, step=args.step, lr=args.lr,
-        iterations=args.iterations, augment=args.augment, ema_decay=args.ema, device=device, seed=seed,
+        iterations=args.iterations, augment=args.augment, distill=args.distill, ema_decay=args.ema,
+        serving_bn=args.serving_bn, device=device, seed=seed,
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age,
@@ -230,6 +250,9 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
     matrix, ncm_matrix, trained = run["matrix"], run["ncm_matrix"], run.get("trained_matrix", [])
     ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
     ncm |= matrix_summary(trained, "_trained") if trained and len(trained) == len(matrix) else {}
+    for key in ("bn_memory", "bn_average"):
+        other = run.get(f"{key}_matrix", [])
+        ncm |= matrix_summary(other, f"_{key}") if other and len(other) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
     uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
     passes, _ = stream_passes(args, data, data.tasks(args.tasks))
@@ -248,6 +271,8 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         "settings": {
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
             "augment": args.augment, "iterations": args.iterations, "ema": args.ema,
+            **({"distill": args.distill} if args.distill else {}),
+            **({"serving_bn": args.serving_bn} if args.serving_bn != "average" else {}),
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch,
             "epochs": 1 if args.method not in IID_EPOCHS else len(passes),
@@ -265,7 +290,9 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
     }
 
 
-MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix"}  # evaluation -> run key
+# evaluation -> run key
+MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix", "bn_memory": "bn_memory_matrix",
+            "bn_average": "bn_average_matrix"}
 
 
 def record(evaluation: dict[str, list[float]], run: dict) -> None:
@@ -393,8 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "summing the two mean losses (separate, the authors' ER code)")
     run.add_argument("--loss", choices=LOSSES, default="ce",
                      help="replay methods: cross-entropy (ce) or ER-ACE's asymmetric cross-entropy (ace)")
-    run.add_argument("--augment", action="store_true",
-                     help="replay methods: random crop (padding 4) + horizontal flip of every training batch")
+    run.add_argument("--augment", nargs="?", const=True, default=False, type=augment_policy, metavar="strong",
+                     help="replay methods: random crop (padding 4) + horizontal flip of every training batch; "
+                          "--augment strong: random resized crop (area 0.2-1) + flip + colour jitter + grayscale")
+    run.add_argument("--distill", type=float, default=0.0, metavar="LAMBDA",
+                     help="replay methods, with --ema: the moving average teaches, KL at T=4 weighted LAMBDA")
+    run.add_argument("--serving-bn", choices=SERVING_BN, default="average",
+                     help="the served BatchNorm statistics: the moving average's, or recomputed on the memory at "
+                          "each evaluation (every run evaluates the other too)")
     run.add_argument("--iterations", type=int, default=1,
                      help="replay methods: SGD steps per incoming batch, each with a fresh replay draw")
     run.add_argument("--ema", type=float, metavar="DECAY",

@@ -39,7 +39,9 @@ COMMITTED_COST_MODEL = Path("results/realtime/cost-model.json")
 
 def configuration_key(args) -> str:
     """What decides a step's cost: the method and its options, the memory, the batch, the threads."""
-    parts = [args.method, args.loss, args.step, f"it{args.iterations}", "aug" if args.augment else "noaug",
+    augment = {False: "noaug", True: "aug"}.get(args.augment, f"aug{args.augment}")
+    parts = [args.method, args.loss, args.step, f"it{args.iterations}", augment,
+             *[f"kd{args.distill:g}"] * bool(getattr(args, "distill", 0)),
              f"m{args.mem_size}", f"b{args.batch_size}", f"t{torch.get_num_threads()}", args.dataset]
     return "-".join(parts)
 

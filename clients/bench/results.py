@@ -71,13 +71,19 @@ def run_label(result: dict) -> str:
     modes += [m for m, key in (("bf16", "bf16"), ("bf16-latent", "bf16_latent"), ("compile", "compile"))
               if settings.get(key)]
     if settings.get("augment"):
-        modes.append("aug")
+        modes.append("aug" if settings["augment"] is True else f"aug {settings['augment']}")
+    if settings.get("distill"):
+        modes.append(f"distill {settings['distill']:g}")
+    if settings.get("serving_bn", "average") != "average":
+        modes.append(f"bn {settings['serving_bn']}")
     if settings.get("iterations", 1) != 1:
         modes.append(f"{settings['iterations']} iter")
     if settings.get("ema"):
         modes.append(f"ema {settings['ema']:g}")
     if settings.get("one_class_batches"):
         modes.append("one-class batches")
+    if settings.get("replay_batch", 10) != 10:
+        modes.append(f"replay {settings['replay_batch']}")
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
         modes.append(f"{settings['train_per_class']}/class")
     if result.get("via"):

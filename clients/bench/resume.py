@@ -27,7 +27,8 @@ IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "ba
                  "tasks", "epochs", "step", "loss", "exclude_current_task", "one_class_batches", "bf16",
                  "bf16_latent", "compile", "train_per_class", "test_per_class")
 # later options: named only when set, so checkpoints written before they existed still match
-OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100}
+OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100, "distill": 0.0,
+                   "serving_bn": "average"}
 
 
 class CheckpointMismatch(ValueError):

@@ -67,7 +67,7 @@ class RunSpec:
     loss: str
     precision: str
     seed: int
-    augment: bool = False
+    augment: bool | str = False  # True: crop + flip; "strong": `learner.augment.StrongAugment`
     iterations: int = 1
     ema: float = 0
     train_per_class: int = 0  # a reduced stream: its results never stand for full-length ones
@@ -87,6 +87,9 @@ class RunSpec:
         'iid-offline-seed0.json'
         >>> RunSpec("cifar10", "er", 200, "joint", "ace", "fp32", 1, True, 3, 0.99, 1000).file_name()
         'er-ace-aug-it3-ema0.99-n1000-m200-seed1.json'
+        >>> RunSpec("cifar10", "er", 1000, "joint", "ace", "fp32", 0, "strong", 2, 0.99,
+        ...         extra=(("distill", 1.0), ("replay_batch", 20))).file_name()
+        'er-ace-augstrong-it2-ema0.99-kd1-rb20-m1000-seed0.json'
         >>> RunSpec("cifar10", "er", 1000, "joint", "ace", "fp32", 0,
         ...         extra=(("idle_rehearsal", True), ("max_lag", 60), ("stream_rate", "2x"))).file_name()
         'er-ace-rate2x-lag60-idle-m1000-seed0.json'
@@ -98,7 +101,8 @@ class RunSpec:
         if self.precision != "fp32":
             parts.append(self.precision.replace("-", ""))
         parts += [v for v, default in ((self.step, "joint"), (self.loss, "ce")) if v != default]
-        parts += ["aug"] * self.augment + [f"it{self.iterations}"] * (self.iterations != 1)
+        parts += [{True: "aug", False: ""}.get(self.augment, f"aug{self.augment}")] * bool(self.augment)
+        parts += [f"it{self.iterations}"] * (self.iterations != 1)
         parts += [f"ema{self.ema:g}"] * bool(self.ema) + [f"n{self.train_per_class}"] * bool(self.train_per_class)
         extra = dict(self.extra)  # the real-time protocol's settings name their runs too
         if "stream_rate" in extra:
@@ -113,6 +117,10 @@ class RunSpec:
             parts.append("idle")
         if "feature_max_age" in extra:
             parts.append(f"age{extra['feature_max_age']}")
+        if extra.get("distill"):
+            parts.append(f"kd{extra['distill']:g}")
+        if extra.get("replay_batch", 10) != 10:
+            parts.append(f"rb{extra['replay_batch']}")
         if self.uses_memory:
             parts.append(f"m{self.mem_size}")
         return "-".join(parts) + f"-seed{self.seed}.json"
@@ -124,7 +132,7 @@ class RunSpec:
                "--checkpoint", str(checkpoint), *PRECISION_FLAGS[self.precision]]
         if self.method in REPLAY_METHODS:
             cmd += ["--step", self.step, "--loss", self.loss, "--iterations", str(self.iterations)]
-            cmd += ["--augment"] * self.augment
+            cmd += ["--augment"] * bool(self.augment) + [self.augment] * isinstance(self.augment, str)
         cmd += ["--ema", str(self.ema)] * bool(self.ema)
         cmd += ["--train-per-class", str(self.train_per_class)] * bool(self.train_per_class)
         for key, value in self.extra:
