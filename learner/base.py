@@ -9,10 +9,12 @@ the task-aware baselines (AGEM, EWC, the retrieval trick) use.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from copy import deepcopy
 
 import torch
 from torch.nn import functional as F
 
+from .bias_correction import fit_logit_bias
 from .ema import WeightAverage
 from .latent import Latent
 from .model import ReducedResNet18, fold_batchnorm, recompute_bn, scale_pixels
@@ -27,7 +29,7 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 
 FORGOTTEN_LOGIT = -1e4
 # where the served model's BatchNorm statistics come from: the moving average of the trained ones, or
-# a pass of the averaged weights over the replay memory (`ContinualLearner.refresh_serving_bn`)
+# a pass of the averaged weights over the replay memory (`ContinualLearner.refresh_serving`)
 SERVING_BN = ("average", "memory")
 
 
@@ -37,7 +39,8 @@ class ContinualLearner:
     def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
                  device: str | torch.device = "cpu", seed: int = 0, channels_last: bool | None = None,
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
-                 compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average"):
+                 compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
+                 serving_bias: bool = False):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -63,8 +66,8 @@ class ContinualLearner:
         self.ema = WeightAverage(self.model, ema_decay) if ema_decay else None
         if serving_bn not in SERVING_BN:
             raise ValueError(f"unknown serving_bn {serving_bn!r}; choose one of {', '.join(SERVING_BN)}")
-        self.serving_bn = serving_bn
-        self._bn_recomputed: ReducedResNet18 | None = None  # the served copy, with serving_bn="memory"
+        self.serving_bn, self.serving_bias = serving_bn, serving_bias
+        self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
         self.steps = 0
@@ -219,11 +222,9 @@ class ContinualLearner:
 
     @property
     def serving_model(self) -> ReducedResNet18:
-        """The weights predictions come from: `averaged_model`, or with serving_bn="memory" its copy with
-        BatchNorm statistics recomputed on the memory at the last `refresh_serving_bn`."""
-        if self.serving_bn == "memory" and self._bn_recomputed is not None:
-            return self._bn_recomputed
-        return self.averaged_model
+        """The weights predictions come from: `averaged_model`, or with serving_bn="memory" or
+        serving_bias its copy corrected on the memory at the last `refresh_serving`."""
+        return self._served_copy if self._served_copy is not None else self.averaged_model
 
     def teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
         """The moving average's eval-mode logits of uint8 images, without gradients (the
@@ -231,30 +232,45 @@ class ContinualLearner:
         with torch.no_grad(), self._autocast():
             return self.averaged_model(self.to_input(images)).float()
 
-    def refresh_serving_bn(self) -> None:
-        """With serving_bn="memory": copy the averaged weights and recompute their BatchNorm
-        statistics on the replay memory as it is now (SWA's `update_bn`, `learner.model.recompute_bn`):
-        one train-mode forward pass over the memory, no gradients. Run it where predictions are
-        taken (an evaluation, a publication), not every step. A learner without a memory, or with
-        an empty one, serves `averaged_model`."""
+    def refresh_serving(self) -> None:
+        """Correct a copy of the averaged weights on the replay memory as it is now, for serving:
+        with serving_bn="memory" its BatchNorm statistics are recomputed (SWA's `update_bn`,
+        `learner.model.recompute_bn`: one train-mode pass over the memory, no gradients); with
+        serving_bias its head's bias takes the offsets fitted on the memory's logits
+        (`learner.bias_correction`: one eval pass). Run it where predictions are taken (an
+        evaluation, a publication), not every step. Without either, or without a memory to
+        correct on, `averaged_model` serves."""
         buffer = getattr(self, "buffer", None)
-        if self.serving_bn != "memory" or buffer is None or len(buffer) == 0:
-            self._bn_recomputed = None
+        self._folded = None  # the served weights change
+        if (self.serving_bn != "memory" and not self.serving_bias) or buffer is None or len(buffer) == 0:
+            self._served_copy = None
             return
-        self._bn_recomputed = recompute_bn(self.averaged_model, buffer.images[:len(buffer)], self.to_input)
-        self._folded = None  # the served weights changed
+        images, labels = buffer.images[:len(buffer)], buffer.labels[:len(buffer)]
+        if self.serving_bn == "memory":
+            copy = recompute_bn(self.averaged_model, images, self.to_input)
+        else:
+            copy = deepcopy(self.averaged_model).eval().requires_grad_(False)
+        if self.serving_bias:
+            logits = self._eval_map(copy, images, 512)
+            with torch.no_grad():
+                copy.head.bias += fit_logit_bias(logits, labels, copy.num_classes).to(copy.head.bias.device)
+        self._served_copy = copy
+        if self.forgotten:
+            self._silence_forgotten()
 
     @contextmanager
-    def serving_bn_from(self, source: str):
-        """Serve with `source` statistics ("average" or "memory", refreshed now) inside the block,
-        then as before: the benchmark evaluates both on the same run."""
-        before, served = self.serving_bn, self._bn_recomputed
-        self.serving_bn = source
-        self.refresh_serving_bn()
+    def serving_from(self, bn: str | None = None, bias: bool | None = None):
+        """Serve with other corrections (`bn`: "average" or "memory"; `bias`), refreshed now,
+        inside the block, then as before: the benchmark evaluates them on the same run."""
+        before = self.serving_bn, self.serving_bias, self._served_copy
+        self.serving_bn = before[0] if bn is None else bn
+        self.serving_bias = before[1] if bias is None else bias
+        self.refresh_serving()
         try:
             yield self
         finally:
-            self.serving_bn, self._bn_recomputed, self._folded = before, served, None
+            self.serving_bn, self.serving_bias, self._served_copy = before
+            self._folded = None
 
     def inference_features(self, dtype: torch.dtype | None = None, serving: bool = True):
         """Eval-mode f_ext with BatchNorm folded into the convolutions (in `dtype`, fp32 by
@@ -293,8 +309,8 @@ class ContinualLearner:
                 self.ema.grow(self.model)
             self.optimizer = self._make_optimizer()
             self.version += 1
-            if self._bn_recomputed is not None:  # the served copy answers the new classes too
-                self.refresh_serving_bn()
+            if self._served_copy is not None:  # the served copy answers the new classes too
+                self.refresh_serving()
 
     def forget_class(self, class_id: int) -> int:
         """Forget a class: its samples leave the memory and its head output is silenced for good

@@ -44,7 +44,8 @@ def incoming_losses(logits: torch.Tensor, labels: torch.Tensor, loss: str) -> to
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float = DISTILL_TEMPERATURE) -> torch.Tensor:
+def distillation(student: torch.Tensor, teacher: torch.Tensor,
+                 temperature: float = DISTILL_TEMPERATURE) -> torch.Tensor:
     """T^2 * KL(softmax(teacher / T) || softmax(student / T)), averaged over the batch; zero when
     they agree, and the teacher's logits get no gradient.
 
@@ -84,7 +85,8 @@ class ReplayObjective:
             loss = incoming_losses(incoming, labels, self.loss).mean() + self._distilled(incoming, images, teacher)
             if replay_labels.numel():
                 replayed = forward(replay_images)
-                loss = loss + F.cross_entropy(replayed, replay_labels) + self._distilled(replayed, replay_images, teacher)
+                loss = (loss + F.cross_entropy(replayed, replay_labels)
+                        + self._distilled(replayed, replay_images, teacher))
             return loss
         x = torch.cat([images, replay_images])
         logits = forward(x)

@@ -77,10 +77,11 @@ class Settings(BaseSettings):
     distill: float | None = Field(None, ge=0, description="replay methods, with ASER_EMA: the moving average "
                                   "teaches, a distillation term of this weight (unset: 0, off)")
     serving_bn: Literal["average", "memory"] = Field("average", description="the served BatchNorm statistics: the "
-                                                     "moving average's, or recomputed on the memory every "
-                                                     "ASER_SERVING_BN_REFRESH_STEPS steps (and when the memory's "
-                                                     "classes change), the served weights that old at most")
-    serving_bn_refresh_steps: int = Field(50, ge=1)
+                                                     "moving average's, or recomputed on the memory")
+    serving_bias: bool = Field(False, description="serve with a logit bias per class fitted on the memory")
+    serving_refresh_steps: int = Field(50, ge=1, description="with ASER_SERVING_BN=memory or ASER_SERVING_BIAS: "
+                                       "correct a copy of the served weights on the memory every N steps (and when "
+                                       "the memory's classes change); predictions are that many steps old at most")
     head: Literal["softmax", "ncm"] = Field("softmax", description="what predictions and snapshots answer with: "
                                             "the softmax head, or nearest class mean on the memory's features")
     ncm_refresh_steps: int = Field(50, ge=1, description="with ASER_HEAD=ncm: recompute the class means every N "

@@ -194,7 +194,8 @@ class LearnerWorker:
         return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
                             per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, **s.replay_objective(),
                             **s.stronger_learner(), device=self.device, seed=s.seed, image_shape=self.image_shape,
-                            latent_dtype=torch.bfloat16 if s.latent_bf16 else None, serving_bn=s.serving_bn)
+                            latent_dtype=torch.bfloat16 if s.latent_bf16 else None, serving_bn=s.serving_bn,
+                            serving_bias=s.serving_bias)
 
     def _load(self) -> None:
         """(Re)start from the last committed checkpoint."""
@@ -211,7 +212,7 @@ class LearnerWorker:
         self.checkpointed = self._last_checkpoint_try = self.progress()
         self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
         self._ncm, self._ncm_classes, self._ncm_at = None, set(), -(10**9)  # the NCM head and when it was made
-        self._bn_classes, self._bn_at = set(), -(10**9)  # the served BatchNorm statistics' last refresh
+        self._served_classes, self._served_at = set(), -(10**9)  # the served copy's last correction
         self.consistent = True
         self.publish()
         s = self.settings
@@ -427,7 +428,7 @@ class LearnerWorker:
 
     def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
-        self._refresh_serving_bn(refresh_head)
+        self._refresh_serving(refresh_head)
         self._refresh_ncm_head(refresh_head)
         known = set(self.published.predictor.labels) if self.published is not None else None
         # one object, one swap: a reader never sees the model of one step beside the memory of another
@@ -446,18 +447,18 @@ class LearnerWorker:
     def memory(self) -> "MemoryView":
         return self.published.memory
 
-    def _refresh_serving_bn(self, force: bool) -> None:
-        """With ASER_SERVING_BN=memory: a copy of the served weights with BatchNorm statistics
-        recomputed on the memory (`ContinualLearner.refresh_serving_bn`), every
-        ASER_SERVING_BN_REFRESH_STEPS steps and whenever the memory's classes change."""
-        if self.learner.serving_bn != "memory":
+    def _refresh_serving(self, force: bool) -> None:
+        """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected
+        on the memory (`ContinualLearner.refresh_serving`), every ASER_SERVING_REFRESH_STEPS steps
+        and whenever the memory's classes change."""
+        if self.learner.serving_bn != "memory" and not self.learner.serving_bias:
             return
         buffer = getattr(self.learner, "buffer", None)
         classes = set(buffer.class_counts()) if buffer is not None else set()
-        due = self.progress() - self._bn_at >= self.settings.serving_bn_refresh_steps
-        if force or due or classes != self._bn_classes:
-            self.learner.refresh_serving_bn()
-            self._bn_classes, self._bn_at = classes, self.progress()
+        due = self.progress() - self._served_at >= self.settings.serving_refresh_steps
+        if force or due or classes != self._served_classes:
+            self.learner.refresh_serving()
+            self._served_classes, self._served_at = classes, self.progress()
 
     def _refresh_ncm_head(self, force: bool) -> None:
         """With ASER_HEAD=ncm: the class means, from a feature pass over the memory, every

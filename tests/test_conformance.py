@@ -97,5 +97,5 @@ def test_lean_steps_pass_through_and_forgetting(method, options, stream, cifar10
         assert learner.buffer.is_full  # the other classes refilled it
     test = cifar10_slice.test_x[cifar10_slice.test_y == 2][:50]
     assert 2 not in learner.predict(test).tolist()
-    learner.refresh_serving_bn()  # a publication: with serving_bn="memory", a recomputed copy serves
+    learner.refresh_serving()  # a publication: with serving_bn="memory", a corrected copy serves
     assert 2 not in learner.predict(test).tolist()

@@ -99,7 +99,7 @@ def test_recomputed_statistics_equal_a_hand_computed_pass_over_the_memory(cifar1
         learner.observe(x[i:i + 10], y[i:i + 10])
     assert learner.serving_model is learner.averaged_model  # nothing recomputed yet
     averaged = {k: v.clone() for k, v in learner.averaged_model.state_dict().items()}
-    learner.refresh_serving_bn()
+    learner.refresh_serving()
     served = learner.serving_model
     assert served is not learner.averaged_model
     memory = scale_pixels(learner.buffer.images[:len(learner.buffer)])
@@ -114,27 +114,53 @@ def test_recomputed_statistics_equal_a_hand_computed_pass_over_the_memory(cifar1
         if "running" not in name and "num_batches" not in name:
             assert torch.equal(value, averaged[name])
     test = cifar10_slice.test_x[:200]
-    with learner.serving_bn_from("average"):
+    with learner.serving_from(bn="average"):
         assert learner.serving_model is learner.averaged_model
         by_average = learner.logits(test)
     assert learner.serving_model is served and not torch.allclose(learner.logits(test), by_average, atol=1e-2)
 
 
-def test_an_onnx_snapshot_carries_the_recomputed_statistics(cifar10_slice, tmp_path):
-    from clients.onnx_client import OnnxClassifier
-    from service.snapshots import PixelsToLogits, export_onnx
+def test_the_logit_bias_is_the_one_fitted_on_the_memorys_logits(cifar10_slice):
+    from learner.bias_correction import fit_logit_bias
 
-    learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, serving_bn="memory", seed=0)
+    learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, serving_bias=True, seed=0)
     x, y = mixed(cifar10_slice, 300)
     for i in range(0, 300, 10):
         learner.observe(x[i:i + 10], y[i:i + 10])
-    learner.refresh_serving_bn()
+    memory, labels = learner.buffer.images[:200], learner.buffer.labels[:200]
+    before = learner.logits(memory)  # the average, uncorrected (no refresh yet)
+    learner.refresh_serving()
+    served = learner.serving_model
+    assert served is not learner.averaged_model
+    expected = learner.averaged_model.head.bias + fit_logit_bias(before, labels, 10)
+    assert torch.allclose(served.head.bias, expected, atol=1e-4)
+    for name, value in served.state_dict().items():  # nothing else differs from the average
+        if name != "head.bias":
+            assert torch.equal(value, learner.averaged_model.state_dict()[name])
+
+    def balanced_accuracy(logits):
+        right = logits.argmax(1) == labels
+        return torch.stack([right[labels == c].float().mean() for c in labels.unique()]).mean()
+
+    assert balanced_accuracy(learner.logits(memory)) >= balanced_accuracy(before)
+
+
+@pytest.mark.parametrize("correction", [{"serving_bn": "memory"}, {"serving_bias": True}])
+def test_an_onnx_snapshot_carries_the_corrections(cifar10_slice, tmp_path, correction):
+    from clients.onnx_client import OnnxClassifier
+    from service.snapshots import PixelsToLogits, export_onnx
+
+    learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, seed=0, **correction)
+    x, y = mixed(cifar10_slice, 300)
+    for i in range(0, 300, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    learner.refresh_serving()
     export_onnx(PixelsToLogits(learner.serving_model, list(range(10))), cifar10_slice.class_names,
                 tmp_path / "bn.onnx", {"model_version": learner.version})
     images = cifar10_slice.test_x[::8]
     theirs = torch.from_numpy(OnnxClassifier(tmp_path / "bn.onnx").logits(images.numpy()))
     assert torch.allclose(theirs, learner.logits(images), atol=1e-3)
-    with learner.serving_bn_from("average"):
+    with learner.serving_from(bn="average", bias=False):
         assert not torch.allclose(theirs, learner.logits(images), atol=1e-2)
 
 
@@ -315,10 +341,11 @@ def test_an_onnx_snapshot_with_the_ncm_head_predicts_as_the_learners_ncm(cifar10
 
 
 @pytest.mark.parametrize("options", [{"head": "ncm", "ncm_refresh_steps": 2},
-                                    {"serving_bn": "memory", "serving_bn_refresh_steps": 2, "ema": 0.9}])
+                                    {"serving_bn": "memory", "serving_bias": True, "serving_refresh_steps": 2,
+                                     "ema": 0.9}])
 def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
-    """The NCM head, or BatchNorm statistics recomputed on the memory: /predict and the ONNX
-    snapshot (what replicas serve) answer alike on real images."""
+    """The NCM head, or BatchNorm statistics and a logit bias from the memory: /predict and the
+    ONNX snapshot (what replicas serve) answer alike on real images."""
     import io
 
     import httpx
@@ -342,6 +369,7 @@ def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
         config = httpx.get(f"{server.url}/status").json()["config"]
         assert onnx.metadata["head"] == config["head"] == options.get("head", "softmax")
         assert config["serving_bn"] == options.get("serving_bn", "average")
+        assert config["serving_bias"] == options.get("serving_bias", False)
         for ours, theirs in zip(onnx.predict([io.BytesIO(i) for i in probe], k=2), served["results"]):
             assert [t["label"] for t in ours] == [t["label"] for t in theirs]
             assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)

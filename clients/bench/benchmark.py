@@ -51,11 +51,12 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, l
     """Test accuracy (percent) on each task's held-out set, by classifier: the softmax head of the
     serving weights ("head"), the nearest-class-mean classifier on the memory ("ncm", for a learner
     with one), with a moving average the trained weights' own head ("trained"), and for a learner
-    with a memory the serving head under the other BatchNorm statistics ("bn_memory": recomputed on
-    the memory, or "bn_average": the averaged ones), so that every run pairs the two."""
-    learner.refresh_serving_bn()  # an evaluation point
+    with a memory the serving head under the other corrections on the memory, one at a time
+    (`ContinualLearner.refresh_serving`): "bn_memory" or "bn_average" (the other BatchNorm
+    statistics), "bias_memory" or "bias_none" (with or without the fitted logit bias), so that
+    every run pairs them."""
+    learner.refresh_serving()  # an evaluation point
     ncm = memory_ncm(learner)
-    other_bn = OTHER_BN[learner.serving_bn] if len(getattr(learner, "buffer", ())) else None
     out: dict[str, list[float]] = {"head": [], **({"ncm": []} if ncm else {}),
                                    **({"trained": []} if learner.ema is not None else {})}
     test_sets = [task_test_set(data, classes) for classes in tasks]
@@ -65,13 +66,13 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, l
             out["ncm"].append(percent_correct(ncm.predict(learner.serving_features(x)).cpu(), y))
         if learner.ema is not None:
             out["trained"].append(percent_correct(learner.predict(x, serving=False).cpu(), y))
-    if other_bn is not None:
-        with learner.serving_bn_from(other_bn.removeprefix("bn_")):
-            out[other_bn] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
+    if len(getattr(learner, "buffer", ())):
+        other_bn = "average" if learner.serving_bn == "memory" else "memory"
+        other_bias = "bias_none" if learner.serving_bias else "bias_memory"
+        for name, change in ((f"bn_{other_bn}", {"bn": other_bn}), (other_bias, {"bias": not learner.serving_bias})):
+            with learner.serving_from(**change):
+                out[name] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
     return out
-
-
-OTHER_BN = {"average": "bn_memory", "memory": "bn_average"}  # the served statistics -> the other evaluation
 
 
 def percent_correct(pred: torch.Tensor, y: torch.Tensor) -> float:
@@ -200,7 +201,7 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         n_candidates=args.n_candidates, replay_batch=args.replay_batch,
         exclude_current_task=args.exclude_current_task, loss=args.loss, step=args.step, lr=args.lr,
         iterations=args.iterations, augment=args.augment, distill=args.distill, ema_decay=args.ema,
-        serving_bn=args.serving_bn, device=device, seed=seed,
+        serving_bn=args.serving_bn, serving_bias=args.serving_bias, device=device, seed=seed,
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age,
@@ -250,7 +251,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
     matrix, ncm_matrix, trained = run["matrix"], run["ncm_matrix"], run.get("trained_matrix", [])
     ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
     ncm |= matrix_summary(trained, "_trained") if trained and len(trained) == len(matrix) else {}
-    for key in ("bn_memory", "bn_average"):
+    for key in ("bn_memory", "bn_average", "bias_memory", "bias_none"):
         other = run.get(f"{key}_matrix", [])
         ncm |= matrix_summary(other, f"_{key}") if other and len(other) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
@@ -273,6 +274,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "augment": args.augment, "iterations": args.iterations, "ema": args.ema,
             **({"distill": args.distill} if args.distill else {}),
             **({"serving_bn": args.serving_bn} if args.serving_bn != "average" else {}),
+            **({"serving_bias": True} if args.serving_bias else {}),
             "k": k if uses_shapley else None, "n_candidates": n_c if uses_shapley else None,
             "lr": args.lr, "batch_size": args.batch_size, "replay_batch": args.replay_batch,
             "epochs": 1 if args.method not in IID_EPOCHS else len(passes),
@@ -291,8 +293,8 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
 
 
 # evaluation -> run key
-MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix", "bn_memory": "bn_memory_matrix",
-            "bn_average": "bn_average_matrix"}
+MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix",
+            **{v: f"{v}_matrix" for v in ("bn_memory", "bn_average", "bias_memory", "bias_none")}}
 
 
 def record(evaluation: dict[str, list[float]], run: dict) -> None:
@@ -428,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--serving-bn", choices=SERVING_BN, default="average",
                      help="the served BatchNorm statistics: the moving average's, or recomputed on the memory at "
                           "each evaluation (every run evaluates the other too)")
+    run.add_argument("--serving-bias", action="store_true",
+                     help="serve with a logit bias fitted on the memory at each evaluation (every run evaluates "
+                          "with and without)")
     run.add_argument("--iterations", type=int, default=1,
                      help="replay methods: SGD steps per incoming batch, each with a fresh replay draw")
     run.add_argument("--ema", type=float, metavar="DECAY",

@@ -76,6 +76,8 @@ def run_label(result: dict) -> str:
         modes.append(f"distill {settings['distill']:g}")
     if settings.get("serving_bn", "average") != "average":
         modes.append(f"bn {settings['serving_bn']}")
+    if settings.get("serving_bias"):
+        modes.append("bias")
     if settings.get("iterations", 1) != 1:
         modes.append(f"{settings['iterations']} iter")
     if settings.get("ema"):

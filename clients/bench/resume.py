@@ -28,7 +28,7 @@ IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "ba
                  "bf16_latent", "compile", "train_per_class", "test_per_class")
 # later options: named only when set, so checkpoints written before they existed still match
 OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100, "distill": 0.0,
-                   "serving_bn": "average"}
+                   "serving_bn": "average", "serving_bias": False}
 
 
 class CheckpointMismatch(ValueError):

@@ -12,7 +12,10 @@ machine hits every case alike (ratios are what count):
 - er-ace, sv-upd-ace, er-ace-aug-it2-ema (the stronger learner's options: crop + flip, 2 steps
   per batch, a moving-average serving head), er-ace-aug-ema and sv-upd-ace-ema (one step per
   batch, with the average; the service's default): the same `observe`;
-- inference-100: logits of 100 images.
+- the class-balanced memories (cbrs, cb-sv-duel) and issue 37's options (strong augmentation,
+  distillation, a third iteration, a replay batch of 20) under the stronger options;
+- inference-100: logits of 100 images; serving-bn-refresh: the served BatchNorm statistics
+  recomputed on a full memory (its samples/s are memory images a second).
 
     python -m clients.bench.benchmark speed --out results/speed-cpu.json
 """
@@ -61,7 +64,21 @@ OPTION_CASES = {
     "er-ace-aug-it2-ema": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99}),
     "er-ace-aug-ema": ("er", {"loss": "ace", "augment": True, "ema_decay": 0.99}),
     "sv-upd-ace-ema": ("sv-upd", {"loss": "ace", "ema_decay": 0.99}),
+    # the class-balanced memories under the stronger options (issue 36: at most 1.25x the reservoir's step)
+    "cbrs-ace-aug-it2-ema": ("cbrs", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99}),
+    "cb-sv-duel-ace-aug-it2-ema": ("cb-sv-duel", {"loss": "ace", "augment": True, "iterations": 2,
+                                                  "ema_decay": 0.99}),
+    # issue 37's options on the best configuration
+    "er-ace-augstrong-it2-ema": ("er", {"loss": "ace", "augment": "strong", "iterations": 2, "ema_decay": 0.99}),
+    "er-ace-aug-it2-ema-kd1": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99,
+                                      "distill": 1.0}),
+    "er-ace-aug-it3-ema": ("er", {"loss": "ace", "augment": True, "iterations": 3, "ema_decay": 0.99}),
+    "er-ace-aug-it2-ema-rb20": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99,
+                                       "replay_batch": 20}),
 }
+
+
+BEST = "er-ace-aug-it2-ema"  # today's best configuration, what the options are priced against
 
 
 def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
@@ -70,6 +87,8 @@ def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size:
                            autocast_dtype=autocast_dtype, latent_dtype=latent_dtype, compile=compile, **options)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     learner.buffer.n_seen = 10 * mem_size  # a stream well past the memory size
+    if (seen := getattr(learner.update_policy, "seen", None)) is not None:  # the class-balanced memories' n_c
+        seen.update({c: 10 * n for c, n in learner.buffer.class_counts().items()})
     state = {"i": mem_size}
 
     def step():
@@ -78,6 +97,14 @@ def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size:
         state["i"] = i + 10
 
     return step
+
+
+def _bn_refresh(device, images, labels, mem_size: int):
+    """Recomputing the served average's BatchNorm statistics on a full memory (`serving_bn="memory"`)."""
+    learner = make_learner("er", num_classes=10, mem_size=mem_size, device=device, seed=0, ema_decay=0.99,
+                           serving_bn="memory")
+    learner.buffer.append(images[:mem_size], labels[:mem_size])
+    return learner.refresh_serving
 
 
 def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile: bool = False,
@@ -103,6 +130,7 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
         **{name: (_learner_step(method, device, images, labels, dtype, mem_size, compile, latent, **options), 10)
            for name, (method, options) in OPTION_CASES.items()},
         "inference-100": (lambda: infer_learner.logits(probe), 100),
+        "serving-bn-refresh": (_bn_refresh(device, images, labels, mem_size), mem_size),
     }
     times = {name: [] for name in cases}
     for r in range(warmup + rounds):
@@ -116,7 +144,10 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
     out = {}
     for name, (_, n) in cases.items():
         med = statistics.median(times[name])
-        out[name] = {"median_ms": round(1000 * med, 2), "samples_per_s": round(n / med, 1),
+        # the mean carries what comes every few steps (the balanced memories' feature cache, refreshed
+        # every 100 optimizer steps): with rounds >= 100 it is the amortised cost
+        out[name] = {"median_ms": round(1000 * med, 2), "mean_ms": round(1000 * statistics.fmean(times[name]), 2),
+                     "samples_per_s": round(n / med, 1),
                      "p10_ms": round(1000 * sorted(times[name])[len(times[name]) // 10], 2)}
     return out
 
@@ -128,6 +159,8 @@ def ratios(cases: dict) -> dict:
         "aser-mu / er": round(ms["aser-mu"] / ms["er"], 3),
         "aser / er": round(ms["aser"] / ms["er"], 3),
         **{f"{name} / er": round(ms[name] / ms["er"], 3) for name in OPTION_CASES},
+        **{f"{name} / {BEST} (means)": round(cases[name]["mean_ms"] / cases[BEST]["mean_ms"], 3)
+           for name in OPTION_CASES if name.startswith(("cb", "er-ace-aug")) and name != BEST},
         "default-step / bare-step": round(ms["default-step"] / ms["bare-step"], 3),
     }
 

@@ -128,7 +128,7 @@ def status(rt: Runtime) -> dict:
         "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "replay_batch", "k",
                                                                     "n_candidates", "per_class", "lr", "seed")},
                    **rt.settings.replay_objective(), **rt.settings.stronger_learner(), "head": rt.settings.head,
-                   "serving_bn": rt.settings.serving_bn},
+                   "serving_bn": rt.settings.serving_bn, "serving_bias": rt.settings.serving_bias},
         "worker": {"alive": worker.alive, "restarts": worker.restarts, "last_error": worker.last_error,
                    "checkpoint_failures": worker.checkpoint_failures,
                    "snapshot_failures": worker.snapshots.failures, "quarantined": n_quarantined,
