@@ -114,3 +114,21 @@ def test_via_scores_a_model_that_has_learned_nothing_as_wrong(tmp_path, cifar10_
             assert evaluate_via(client, cifar10_slice, [[0, 1], [2, 3]], chunk=50) == [0.0, 0.0]
     finally:
         server.stop()
+
+
+def test_young_measures_every_correction_on_one_stream_per_seed(tmp_path, cache_dir):
+    out = tmp_path / "young.json"
+    assert main(["young", "--data", str(CIFAR10_ZIP), "--seeds", "0-1", "--train-per-class", "20",
+                 "--cache-dir", str(cache_dir), "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert len(r["runs"]) == 2 * 3 * 4 and r["command"].startswith("python -m clients.bench.benchmark young")
+    for row in r["runs"]:
+        assert row["seen"] == 2 * row["task"] and sum(row["answers"].values()) == 40 * row["seen"]
+        assert row["answered"] == sum(n > 0 for n in row["answers"].values()) and 0 <= row["accuracy"] <= 100
+    none = [s for s in r["summary"] if s["correction"] == "none"]
+    assert len(none) == 3 and all(s["minus_none"] == 0 and s["seeds"] == 2 for s in none)
+    bias = {(s["task"], s["correction"]): s for s in r["summary"]}
+    for task in (1, 2, 3):  # the summary is the runs' own means, paired
+        rows = [x["accuracy"] for x in r["runs"] if x["task"] == task and x["correction"] == "bias"]
+        base = [x["accuracy"] for x in r["runs"] if x["task"] == task and x["correction"] == "none"]
+        assert bias[(task, "bias")]["minus_none"] == pytest.approx((sum(rows) - sum(base)) / 2, abs=0.01)

@@ -493,9 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     table.set_defaults(func=cmd_table)
     from .speed import add_parser as add_speed_parser
     from .sweep import add_parser as add_sweep_parser
+    from .young import add_parser as add_young_parser
 
     add_speed_parser(sub)
     add_sweep_parser(sub)
+    add_young_parser(sub)
     return parser
 
 

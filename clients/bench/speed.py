@@ -14,8 +14,9 @@ machine hits every case alike (ratios are what count):
   batch, with the average; the service's default): the same `observe`;
 - the class-balanced memories (cbrs, cb-sv-duel) and issue 37's options (strong augmentation,
   distillation, a third iteration, a replay batch of 20) under the stronger options;
-- inference-100: logits of 100 images; serving-bn-refresh: the served BatchNorm statistics
-  recomputed on a full memory (its samples/s are memory images a second).
+- inference-100: logits of 100 images; serving-bn-refresh and serving-bias-refresh: the served
+  average corrected on a full memory, its BatchNorm statistics or its logit bias (samples/s:
+  memory images a second).
 
     python -m clients.bench.benchmark speed --out results/speed-cpu.json
 """
@@ -99,10 +100,10 @@ def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size:
     return step
 
 
-def _bn_refresh(device, images, labels, mem_size: int):
-    """Recomputing the served average's BatchNorm statistics on a full memory (`serving_bn="memory"`)."""
+def _serving_refresh(device, images, labels, mem_size: int, **correction):
+    """Correcting the served average on a full memory (`ContinualLearner.refresh_serving`)."""
     learner = make_learner("er", num_classes=10, mem_size=mem_size, device=device, seed=0, ema_decay=0.99,
-                           serving_bn="memory")
+                           **correction)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     return learner.refresh_serving
 
@@ -130,7 +131,8 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
         **{name: (_learner_step(method, device, images, labels, dtype, mem_size, compile, latent, **options), 10)
            for name, (method, options) in OPTION_CASES.items()},
         "inference-100": (lambda: infer_learner.logits(probe), 100),
-        "serving-bn-refresh": (_bn_refresh(device, images, labels, mem_size), mem_size),
+        "serving-bn-refresh": (_serving_refresh(device, images, labels, mem_size, serving_bn="memory"), mem_size),
+        "serving-bias-refresh": (_serving_refresh(device, images, labels, mem_size, serving_bias=True), mem_size),
     }
     times = {name: [] for name in cases}
     for r in range(warmup + rounds):
