@@ -251,7 +251,8 @@ class ContinualLearner:
         else:
             copy = deepcopy(self.averaged_model).eval().requires_grad_(False)
         if self.serving_bias:
-            logits = self._eval_map(copy, images, 512)
+            features = fold_batchnorm(copy)  # the inference path: no normalisation passes
+            logits = self._eval_map(lambda x: copy.head(features(x)), images, 512)
             with torch.no_grad():
                 copy.head.bias += fit_logit_bias(logits, labels, copy.num_classes).to(copy.head.bias.device)
         self._served_copy = copy
