@@ -229,7 +229,7 @@ class LearnerWorker:
                 try:
                     self._serve_forget_requests()
                     self._serve_snapshot_requests()
-                    if self.train_available() or self.rehearse_if_idle():
+                    if self.train_available() or self.rehearse_if_idle() or self.correct_serving_if_idle():
                         failures_in_a_row = 0
                     else:
                         self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
@@ -446,6 +446,17 @@ class LearnerWorker:
     @property
     def memory(self) -> "MemoryView":
         return self.published.memory
+
+    def correct_serving_if_idle(self) -> bool:
+        """Nothing to train: bring the served copy's corrections up to the learner, so that an idle
+        service answers with its latest weights, not those of up to ASER_SERVING_REFRESH_STEPS steps
+        ago (a young service has had fewer steps than that). Returns whether it did."""
+        corrected = self.learner.serving_bn == "memory" or self.learner.serving_bias
+        if not corrected or self._served_at == self.progress():
+            return False
+        self._refresh_serving(force=True)
+        self.publish()
+        return True
 
     def _refresh_serving(self, force: bool) -> None:
         """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected

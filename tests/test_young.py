@@ -1,7 +1,9 @@
 """A fresh service on its defaults serves a useful model from its first tasks (issue 39, item 1):
 three tasks of two CIFAR-10 classes, 150 real images a class, through a real server. The moving
-average's warm-up (`learner/ema.py`) forgets the near-random early weights fast; the plain mean it
-replaces answered one class for every image after each task."""
+average's warm-up (`learner/ema.py`) forgets the near-random early weights fast (the plain mean it
+replaced answered one class for every image after each task); the logit bias fitted on the memory
+(`ASER_SERVING_BIAS`, on by default) gives back the newest classes, which the average alone never
+answered after the third task (`benchmark young`: 0 of 5 seeds)."""
 
 import zipfile
 from collections import Counter
@@ -46,6 +48,6 @@ def test_a_young_service_answers_the_classes_it_has_seen(tmp_path):
             answered = [c for c in seen if answers[c] > 0]
             # 40 test images a class: one standard deviation of the accuracy is 4-8 points here
             assert accuracy > chance + 0.05 if task == 0 else accuracy > 1.3 * chance, (task, accuracy, answers)
-            assert len(answered) >= min(len(seen), 3), (task, answers)  # never one class for everything
+            assert answered == seen, (task, answers)  # every class it has seen, the newest too
     finally:
         server.stop()
