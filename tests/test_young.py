@@ -37,17 +37,19 @@ def test_a_young_service_answers_the_classes_it_has_seen(tmp_path):
                 assert httpx.post(f"{server.url}/samples", files=files, data={"label": labels}).status_code == 201
             sent += len(samples)
             wait_trained(server, sent, timeout=600)
-            answers, right = Counter(), 0
+            answers, right, own = Counter(), 0, Counter()
             for c in seen:
                 files = [("image", (f"{k}.jpg", img, "image/jpeg")) for k, img in enumerate(test[c])]
                 results = httpx.post(f"{server.url}/predict", files=files, data={"k": "1"}).json()["results"]
                 top = [r[0]["label"] for r in results]
                 answers.update(top)
                 right += sum(t == c for t in top)
+                own[c] = sum(t == c for t in top)
             accuracy, chance = right / (40 * len(seen)), 1 / len(seen)
             answered = [c for c in seen if answers[c] > 0]
             # 40 test images a class: one standard deviation of the accuracy is 4-8 points here
             assert accuracy > chance + 0.05 if task == 0 else accuracy > 1.3 * chance, (task, accuracy, answers)
             assert answered == seen, (task, answers)  # every class it has seen, the newest too
+            assert all(own[c] > 0 for c in seen), (task, own)  # each for some of its own images
     finally:
         server.stop()
