@@ -251,8 +251,8 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
     matrix, ncm_matrix, trained = run["matrix"], run["ncm_matrix"], run.get("trained_matrix", [])
     ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
     ncm |= matrix_summary(trained, "_trained") if trained and len(trained) == len(matrix) else {}
-    for key in ("bn_memory", "bn_average", "bias_memory", "bias_none"):
-        other = run.get(f"{key}_matrix", [])
+    for key in CORRECTED_EVALUATIONS:
+        other = run.get(MATRICES[key], [])
         ncm |= matrix_summary(other, f"_{key}") if other and len(other) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
     uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
@@ -292,9 +292,11 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
     }
 
 
+# the serving head under the other corrections on the memory (`evaluate`)
+CORRECTED_EVALUATIONS = ("bn_memory", "bn_average", "bias_memory", "bias_none")
 # evaluation -> run key
 MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix",
-            **{v: f"{v}_matrix" for v in ("bn_memory", "bn_average", "bias_memory", "bias_none")}}
+            **{v: f"{v}_matrix" for v in CORRECTED_EVALUATIONS}}
 
 
 def record(evaluation: dict[str, list[float]], run: dict) -> None:
