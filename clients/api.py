@@ -46,6 +46,12 @@ def encode_sample(label: str, image: bytes, sample_id: str | None = None) -> dic
     return sample
 
 
+def settled(status: dict) -> bool:
+    """Whether a /status says the learner has trained on everything received and serves that
+    step's corrections (a server without the field serves none)."""
+    return not status["backlog"] and status.get("serving_current", True)
+
+
 def retry_after(failure: Exception | httpx.Response, cap: float = 60.0) -> float:
     """The seconds an answer's Retry-After header asks for (0 without one), at most `cap`.
 
@@ -208,10 +214,11 @@ class ServiceClient:
         return self._json("GET", "/status")
 
     def drain(self, timeout: float = 600, pause: float = 0.3) -> dict:
-        """The status once the learner has trained on everything it received (backlog 0), or the
-        last status seen when `timeout` seconds ran out: check its backlog."""
+        """The status once the learner has trained on everything it received (backlog 0) and
+        serves that step's corrections, or the last status seen when `timeout` seconds ran out:
+        check its backlog."""
         deadline = time.monotonic() + timeout
-        while (status := self.status())["backlog"] and time.monotonic() < deadline:
+        while not settled(status := self.status()) and time.monotonic() < deadline:
             time.sleep(pause)
         return status
 

@@ -128,6 +128,7 @@ class Published:
 
     predictor: Predictor
     memory: MemoryView
+    current: bool = True  # the served corrections are those of the learner's latest step
 
 
 class LearnerWorker:
@@ -433,7 +434,8 @@ class LearnerWorker:
         known = set(self.published.predictor.labels) if self.published is not None else None
         # one object, one swap: a reader never sees the model of one step beside the memory of another
         self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
-                                                          self._ncm), MemoryView.of(self.learner))
+                                                          self._ncm), MemoryView.of(self.learner),
+                                   not self._corrects_serving() or self._served_at == self.progress())
         if known is not None:
             for label in sorted(set(self.published.predictor.labels) - known):
                 log.info("learner: new class %r (%d classes, step %d)", label, len(self.published.predictor.labels),
@@ -451,18 +453,20 @@ class LearnerWorker:
         """Nothing to train: bring the served copy's corrections up to the learner, so that an idle
         service answers with its latest weights, not those of up to ASER_SERVING_REFRESH_STEPS steps
         ago (a young service has had fewer steps than that). Returns whether it did."""
-        corrected = self.learner.serving_bn == "memory" or self.learner.serving_bias
-        if not corrected or self._served_at == self.progress():
+        if not self._corrects_serving() or self._served_at == self.progress():
             return False
         self._refresh_serving(force=True)
         self.publish()
         return True
 
+    def _corrects_serving(self) -> bool:
+        return self.learner.serving_bn == "memory" or self.learner.serving_bias
+
     def _refresh_serving(self, force: bool) -> None:
         """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected
         on the memory (`ContinualLearner.refresh_serving`), every ASER_SERVING_REFRESH_STEPS steps
         and whenever the memory's classes change."""
-        if self.learner.serving_bn != "memory" and not self.learner.serving_bias:
+        if not self._corrects_serving():
             return
         buffer = getattr(self.learner, "buffer", None)
         classes = set(buffer.class_counts()) if buffer is not None else set()

@@ -27,7 +27,7 @@ def wait_trained(client, n, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline:
         st = client.status()
-        if st["samples_trained"] >= n:
+        if st["samples_trained"] >= n and st["serving_current"]:
             return st
         time.sleep(0.2)
     raise AssertionError(f"trained {st['samples_trained']} of {n} samples in {timeout}s")

@@ -54,10 +54,11 @@ def status(server):
 
 
 def wait_trained(server, n, timeout=180):
+    """Until n samples are trained on and the served model carries the corrections of that step."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         st = status(server)
-        if st["samples_trained"] >= n:
+        if st["samples_trained"] >= n and st["serving_current"]:
             return st
         time.sleep(0.2)
     raise AssertionError(f"only {status(server)['samples_trained']} of {n} trained")

@@ -39,7 +39,7 @@ def wait_until_trained(client: ServiceClient, received: int, timeout: float = 72
         st = client.status()
         if st.get("error"):
             raise RuntimeError(f"the service's learner stopped: {st['error']}")
-        if st["samples_trained"] >= received:
+        if st["samples_trained"] >= received and st.get("serving_current", True):
             return st
         time.sleep(0.2)
     raise TimeoutError(f"the service trained {client.status()['samples_trained']} of {received} samples")

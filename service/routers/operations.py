@@ -94,6 +94,8 @@ class Status(BaseModel):
     buffer_size: int
     model_version: int
     steps: int
+    serving_current: bool = Field(description="the served model carries the corrections of the learner's latest "
+                                  "step (false for a moment after training, until the idle worker refits them)")
     last_step_ms: float
     method: str
     config: dict[str, float | int | str]
@@ -123,6 +125,7 @@ def status(rt: Runtime) -> dict:
         "buffer_size": len(memory.class_ids),
         "model_version": p.version,
         "steps": p.steps,
+        "serving_current": published.current,
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
         "method": rt.settings.method,
         "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "replay_batch", "k",
