@@ -41,6 +41,20 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
     assert (tmp_path / "acc.png").stat().st_size > 1000
 
 
+def test_speed_times_the_cases_asked_for_round_by_round(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    assert main(["speed", "--rounds", "3", "--warmup", "0", "--threads", "1", "--cases",
+                 "er,cbrs-ace-aug-it2-ema", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["cases"]) == {"er", "cbrs-ace-aug-it2-ema"} and r["rounds"] == 3 and r["threads"] == 1
+    assert all(0 < c["p10_ms"] <= c["median_ms"] and c["mean_ms"] > 0 for c in r["cases"].values())
+    ratio = r["cases"]["cbrs-ace-aug-it2-ema"]["median_ms"] / r["cases"]["er"]["median_ms"]
+    assert r["ratios"] == {"cbrs-ace-aug-it2-ema / er": round(ratio, 3)}
+    assert r["command"].endswith("--cases er,cbrs-ace-aug-it2-ema")
+    assert main(["speed", "--rounds", "1", "--cases", "er,warp-drive", "--out", str(out)]) == 2
+    assert "unknown cases warp-drive" in capsys.readouterr().err
+
+
 def test_missing_data_path_is_a_clear_error(tmp_path, capsys):
     code = main(["run", "--dataset", "cifar10", "--data", str(tmp_path / "nope"), "--method", "er", "--quiet"])
     assert code == 2 and "does not exist" in capsys.readouterr().err

@@ -26,7 +26,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -82,7 +84,7 @@ OPTION_CASES = {
 BEST = "er-ace-aug-it2-ema"  # today's best configuration, what the options are priced against
 
 
-def _learner_step(method: str, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
+def _learner_step(method: str, *, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
                   latent_dtype=None, **options):
     learner = make_learner(method, num_classes=10, mem_size=mem_size, dataset="cifar10", device=device, seed=0,
                            autocast_dtype=autocast_dtype, latent_dtype=latent_dtype, compile=compile, **options)
@@ -109,7 +111,8 @@ def _serving_refresh(device, images, labels, mem_size: int, **correction):
 
 
 def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile: bool = False,
-            mem_size: int = 1000, bf16_latent: bool = False) -> dict:
+            mem_size: int = 1000, bf16_latent: bool = False, only: list[str] | None = None) -> dict:
+    """Median and mean ms of each case (all, or those named in `only`), timed round by round."""
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (mem_size + 2000, 3, 32, 32), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (mem_size + 2000,), generator=g)
@@ -119,21 +122,24 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
     latent = torch.bfloat16 if bf16_latent else None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    infer_learner = make_learner("er", num_classes=10, mem_size=0, device=device, autocast_dtype=dtype)
-    probe = images[:100]
-    cases = {
-        "default-step": (_bare_step(False, None, device, x20, y20), 20),
-        "bare-step": (_bare_step(training_channels_last(device, dtype), dtype, device, x20, y20, compile), 20),
-        "er": (_learner_step("er", device, images, labels, dtype, mem_size, compile, latent), 10),
-        "aser": (_learner_step("aser", device, images, labels, dtype, mem_size, compile, latent), 10),
-        "aser-mu": (_learner_step("aser-mu", device, images, labels, dtype, mem_size, compile, latent), 10),
-        "mir": (_learner_step("mir", device, images, labels, dtype, mem_size, compile, latent), 10),
-        **{name: (_learner_step(method, device, images, labels, dtype, mem_size, compile, latent, **options), 10)
-           for name, (method, options) in OPTION_CASES.items()},
-        "inference-100": (lambda: infer_learner.logits(probe), 100),
-        "serving-bn-refresh": (_serving_refresh(device, images, labels, mem_size, serving_bn="memory"), mem_size),
-        "serving-bias-refresh": (_serving_refresh(device, images, labels, mem_size, serving_bias=True), mem_size),
+    step = partial(_learner_step, device=device, images=images, labels=labels, autocast_dtype=dtype,
+                   mem_size=mem_size, compile=compile, latent_dtype=latent)
+    refresh = partial(_serving_refresh, device, images, labels, mem_size)
+    # name -> (what builds the timed callable, samples it handles): only the cases asked for are built
+    builders = {
+        "default-step": (lambda: _bare_step(False, None, device, x20, y20), 20),
+        "bare-step": (lambda: _bare_step(training_channels_last(device, dtype), dtype, device, x20, y20, compile), 20),
+        **{name: (partial(step, name), 10) for name in ("er", "aser", "aser-mu", "mir")},
+        **{name: (partial(step, method, **options), 10) for name, (method, options) in OPTION_CASES.items()},
+        "inference-100": (lambda: partial(make_learner("er", num_classes=10, mem_size=0, device=device,
+                                                       autocast_dtype=dtype).logits, images[:100]), 100),
+        "serving-bn-refresh": (partial(refresh, serving_bn="memory"), mem_size),
+        "serving-bias-refresh": (partial(refresh, serving_bias=True), mem_size),
     }
+    unknown = sorted(set(only or ()) - set(builders))
+    if unknown:
+        raise ValueError(f"unknown cases {', '.join(unknown)}; choose from {', '.join(builders)}")
+    cases = {name: (build(), n) for name, (build, n) in builders.items() if not only or name in only}
     times = {name: [] for name in cases}
     for r in range(warmup + rounds):
         for name, (fn, _) in cases.items():
@@ -155,16 +161,16 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
 
 
 def ratios(cases: dict) -> dict:
-    ms = {k: v["median_ms"] for k, v in cases.items()}
-    return {
-        "er / bare-step": round(ms["er"] / ms["bare-step"], 3),
-        "aser-mu / er": round(ms["aser-mu"] / ms["er"], 3),
-        "aser / er": round(ms["aser"] / ms["er"], 3),
-        **{f"{name} / er": round(ms[name] / ms["er"], 3) for name in OPTION_CASES},
-        **{f"{name} / {BEST} (means)": round(cases[name]["mean_ms"] / cases[BEST]["mean_ms"], 3)
-           for name in OPTION_CASES if name.startswith(("cb", "er-ace-aug")) and name != BEST},
-        "default-step / bare-step": round(ms["default-step"] / ms["bare-step"], 3),
-    }
+    """Each ratio whose two cases were timed: medians, and means for what refreshes every few steps."""
+    pairs = [("er", "bare-step"), ("aser-mu", "er"), ("aser", "er"), *((name, "er") for name in OPTION_CASES)]
+    out = {f"{a} / {b}": round(cases[a]["median_ms"] / cases[b]["median_ms"], 3)
+           for a, b in pairs if a in cases and b in cases}
+    for name in OPTION_CASES:
+        if name.startswith(("cb", "er-ace-aug")) and name != BEST and name in cases and BEST in cases:
+            out[f"{name} / {BEST} (means)"] = round(cases[name]["mean_ms"] / cases[BEST]["mean_ms"], 3)
+    if "default-step" in cases and "bare-step" in cases:
+        out["default-step / bare-step"] = round(cases["default-step"]["median_ms"] / cases["bare-step"]["median_ms"], 3)
+    return out
 
 
 def cmd_speed(args) -> int:
@@ -173,7 +179,13 @@ def cmd_speed(args) -> int:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cases = measure(device, args.rounds, args.warmup, args.bf16, args.compile, bf16_latent=args.bf16_latent)
+    only = args.cases.split(",") if args.cases else None
+    try:
+        cases = measure(device, args.rounds, args.warmup, args.bf16, args.compile, bf16_latent=args.bf16_latent,
+                        only=only)
+    except ValueError as exc:  # an unknown case name
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result = {
         "device": str(device),
         "machine": machine_description(device),
@@ -189,7 +201,8 @@ def cmd_speed(args) -> int:
         "command": f"python -m clients.bench.benchmark speed --device {args.device} --rounds {args.rounds}"
                    f"{' --bf16' if args.bf16 else ''}{' --bf16-latent' if args.bf16_latent else ''}"
                    f"{' --compile' if args.compile else ''}"
-                   f"{f' --threads {args.threads}' if args.threads else ''}",
+                   f"{f' --threads {args.threads}' if args.threads else ''}"
+                   f"{f' --cases {args.cases}' if args.cases else ''}",
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     width = max(map(len, cases))
@@ -216,5 +229,7 @@ def add_parser(sub) -> None:
                    help="bf16 for the memory policies' feature passes only (training stays as --bf16 says)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward (~30 s per model)")
     p.add_argument("--threads", type=int)
+    p.add_argument("--cases", help="comma-separated case names to time (default: all), e.g. "
+                                   "er,cbrs-ace-aug-it2-ema,cb-sv-duel-ace-aug-it2-ema")
     p.add_argument("--out")
     p.set_defaults(func=cmd_speed)
