@@ -122,6 +122,20 @@ def resolve_device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
+class MemoryDerived:
+    """When something derived from the memory (the NCM head, the served copy's corrections) is
+    remade: every `every` steps of progress, and whenever the memory's classes change."""
+
+    def __init__(self, every: int):
+        self.every, self.at, self.classes = every, -(10**9), set()
+
+    def due(self, progress: int, classes: set[int], force: bool = False) -> bool:
+        return force or progress - self.at >= self.every or classes != self.classes
+
+    def made(self, progress: int, classes: set[int]) -> None:
+        self.at, self.classes = progress, classes
+
+
 @dataclass(frozen=True)
 class Published:
     """What readers see of the learner after one step: its predictor and its memory, together."""
@@ -212,8 +226,8 @@ class LearnerWorker:
         self._last_snapshot = learner.steps
         self.checkpointed = self._last_checkpoint_try = self.progress()
         self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
-        self._ncm, self._ncm_classes, self._ncm_at = None, set(), -(10**9)  # the NCM head and when it was made
-        self._served_classes, self._served_at = set(), -(10**9)  # the served copy's last correction
+        self._ncm, self._ncm_made = None, MemoryDerived(self.settings.ncm_refresh_steps)  # the NCM head
+        self._served_made = MemoryDerived(self.settings.serving_refresh_steps)  # the served copy's corrections
         self.consistent = True
         self.publish()
         s = self.settings
@@ -435,7 +449,7 @@ class LearnerWorker:
         # one object, one swap: a reader never sees the model of one step beside the memory of another
         self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
                                                           self._ncm), MemoryView.of(self.learner),
-                                   not self._corrects_serving() or self._served_at == self.progress())
+                                   not self._corrects_serving() or self._served_made.at == self.progress())
         if known is not None:
             for label in sorted(set(self.published.predictor.labels) - known):
                 log.info("learner: new class %r (%d classes, step %d)", label, len(self.published.predictor.labels),
@@ -453,7 +467,7 @@ class LearnerWorker:
         """Nothing to train: bring the served copy's corrections up to the learner, so that an idle
         service answers with its latest weights, not those of up to ASER_SERVING_REFRESH_STEPS steps
         ago (a young service has had fewer steps than that). Returns whether it did."""
-        if not self._corrects_serving() or self._served_at == self.progress():
+        if not self._corrects_serving() or self._served_made.at == self.progress():
             return False
         self._refresh_serving(force=True)
         self.publish()
@@ -466,26 +480,23 @@ class LearnerWorker:
         """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected
         on the memory (`ContinualLearner.refresh_serving`), every ASER_SERVING_REFRESH_STEPS steps
         and whenever the memory's classes change."""
-        if not self._corrects_serving():
-            return
-        buffer = getattr(self.learner, "buffer", None)
-        classes = set(buffer.class_counts()) if buffer is not None else set()
-        due = self.progress() - self._served_at >= self.settings.serving_refresh_steps
-        if force or due or classes != self._served_classes:
+        classes = self._memory_classes()
+        if self._corrects_serving() and self._served_made.due(self.progress(), classes, force):
             self.learner.refresh_serving()
-            self._served_classes, self._served_at = classes, self.progress()
+            self._served_made.made(self.progress(), classes)
 
     def _refresh_ncm_head(self, force: bool) -> None:
         """With ASER_HEAD=ncm: the class means, from a feature pass over the memory, every
         ASER_NCM_REFRESH_STEPS steps and whenever the memory's classes change (a new class is
         answered at once, a forgotten one never again)."""
-        if self.settings.head != "ncm":
-            return
+        classes = self._memory_classes()
+        if self.settings.head == "ncm" and self._ncm_made.due(self.progress(), classes, force):
+            self._ncm = ncm_head(self.learner)
+            self._ncm_made.made(self.progress(), classes)
+
+    def _memory_classes(self) -> set[int]:
         buffer = getattr(self.learner, "buffer", None)
-        classes = set(buffer.class_counts()) if buffer is not None else set()
-        due = self.progress() - self._ncm_at >= self.settings.ncm_refresh_steps
-        if force or due or classes != self._ncm_classes:
-            self._ncm, self._ncm_classes, self._ncm_at = ncm_head(self.learner), classes, self.progress()
+        return set(buffer.class_counts()) if buffer is not None else set()
 
     def checkpoint(self) -> bool:
         """Persist the lineage; a failure (disk full, say) is logged and retried later."""
