@@ -449,7 +449,7 @@ class LearnerWorker:
         # one object, one swap: a reader never sees the model of one step beside the memory of another
         self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
                                                           self._ncm), MemoryView.of(self.learner),
-                                   not self._corrects_serving() or self._served_made.at == self.progress())
+                                   self._serving_current())
         if known is not None:
             for label in sorted(set(self.published.predictor.labels) - known):
                 log.info("learner: new class %r (%d classes, step %d)", label, len(self.published.predictor.labels),
@@ -467,7 +467,7 @@ class LearnerWorker:
         """Nothing to train: bring the served copy's corrections up to the learner, so that an idle
         service answers with its latest weights, not those of up to ASER_SERVING_REFRESH_STEPS steps
         ago (a young service has had fewer steps than that). Returns whether it did."""
-        if not self._corrects_serving() or self._served_made.at == self.progress():
+        if self._serving_current():
             return False
         self._refresh_serving(force=True)
         self.publish()
@@ -475,6 +475,10 @@ class LearnerWorker:
 
     def _corrects_serving(self) -> bool:
         return self.learner.serving_bn == "memory" or self.learner.serving_bias
+
+    def _serving_current(self) -> bool:
+        """Whether the served copy carries the corrections of the learner's latest step."""
+        return not self._corrects_serving() or self._served_made.at == self.progress()
 
     def _refresh_serving(self, force: bool) -> None:
         """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected
