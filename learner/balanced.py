@@ -228,8 +228,7 @@ def refresh_stale(buffer: ReplayBuffer, latent, max_age: int) -> torch.Tensor:
     [3, 3]
     """
     slots = torch.arange(buffer.size, device=buffer.device)
-    version = buffer.feature_version[: buffer.size]
-    stale = slots[(version < 0) | (latent.version - version > max_age)]
+    stale = slots[~buffer.cached_mask(slots, latent.version, max_age)]
     if buffer.features is None:
         stale = slots
     if stale.numel():

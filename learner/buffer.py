@@ -93,8 +93,10 @@ class ReplayBuffer:
             self.features = torch.zeros((self.capacity, dim), dtype=dtype, device=self.device)
             self.feature_version.fill_(-1)
 
-    def cached_mask(self, slots: torch.Tensor, version: int) -> torch.Tensor:
-        return self.feature_version[slots] == version
+    def cached_mask(self, slots: torch.Tensor, version: int, max_age: int = 0) -> torch.Tensor:
+        """Which slots hold features at most `max_age` weight versions older than `version`."""
+        cached = self.feature_version[slots]
+        return (cached >= 0) & (version - cached <= max_age)
 
     def store_features(self, slots: torch.Tensor, features: torch.Tensor, version: int) -> None:
         self._ensure_feature_store(features.shape[1], features.dtype)

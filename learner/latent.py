@@ -22,10 +22,12 @@ class Latent:
         self.buffer = buffer
         self.version = version
 
-    def of(self, slots: torch.Tensor, images: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Features of buffer `slots` and of `images`, in one forward pass for what is missing."""
+    def of(self, slots: torch.Tensor, images: torch.Tensor | None = None,
+           max_age: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Features of buffer `slots` (cached ones at most `max_age` weight versions old) and of
+        `images`, in one forward pass for what is missing."""
         buf = self.buffer
-        stale = slots[~buf.cached_mask(slots, self.version)] if slots.numel() else slots
+        stale = slots[~buf.cached_mask(slots, self.version, max_age)] if slots.numel() else slots
         stale = torch.unique(stale)
         parts = [buf.images[stale]] if stale.numel() else []
         n_new = 0 if images is None else images.shape[0]

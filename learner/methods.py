@@ -105,8 +105,8 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     "crop-flip": crop + flip of every training batch; "strong": `learner.augment.StrongAugment`) are
     the replay methods' repeated augmented rehearsal (`learner.replay`); `distill` weighs the moving
     average's distillation term (`learner.objective`; needs `ema_decay`). `feature_max_age`: the
-    class-balanced KNN-SV rules value the memory on cached features at most this many optimizer
-    steps old (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape,
+    class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu), value the memory
+    on cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape,
     channels_last, autocast_dtype, latent_dtype, compile, ema_decay, serving_bn, serving_bias).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
@@ -140,11 +140,14 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
         **{balanced_name(rule): (lambda rule=rule: ClassBalancedUpdate(rule, k=k, max_age=feature_max_age))
            for rule in VICTIM_RULES},
     }
+    # on a class-balanced memory ASV reads the feature cache the update keeps (at most
+    # feature_max_age steps old); on the paper's memory it computes fresh features, as the paper does
+    asv_age = feature_max_age if update_name.startswith("cb-") else 0
     retrievals = {
         "random": lambda: RandomRetrieval(),
         "mir": lambda: MIRRetrieval(n_subsample=mir_subsample or paper.mir_subsample),
-        "asv": lambda: ASVRetrieval(k=k, per_class=per_class, mean=False),
-        "asv-mu": lambda: ASVRetrieval(k=k, per_class=per_class, mean=True),
+        "asv": lambda: ASVRetrieval(k=k, per_class=per_class, mean=False, max_age=asv_age),
+        "asv-mu": lambda: ASVRetrieval(k=k, per_class=per_class, mean=True, max_age=asv_age),
         "dist": lambda: DistRetrieval(per_class=per_class, mean=False),
         "dist-mu": lambda: DistRetrieval(per_class=per_class, mean=True),
     }

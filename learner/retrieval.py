@@ -54,10 +54,12 @@ class _LatentScoreRetrieval(MemoryRetrieval):
     """Shared frame of Algorithm 2: S_sub and the candidates are class-balanced subsamples of
     the memory (`per_class` of each class, candidates first, S_sub from the rest, as in the
     reference); the n candidates with the largest score are returned. Until the memory has
-    been filled once, retrieval is random (reference behaviour)."""
+    been filled once, retrieval is random (reference behaviour). Memory features come from the
+    per-slot cache when at most `max_age` optimizer steps old (0: the current weights only, as
+    the paper computes them); the incoming batch's are always fresh."""
 
-    def __init__(self, per_class: int):
-        self.per_class = per_class
+    def __init__(self, per_class: int, max_age: int = 0):
+        self.per_class, self.max_age = per_class, max_age
 
     def retrieve(self, buffer, images, labels, n, ctx):
         slots = ctx.eligible_slots(buffer)
@@ -67,7 +69,7 @@ class _LatentScoreRetrieval(MemoryRetrieval):
         if cand.numel() <= n:
             return cand
         evals = class_balanced_sample(buffer.labels, exclude(slots, cand), self.per_class, ctx.generator)
-        feats, batch_feats = ctx.latent.of(torch.cat([cand, evals]), images)
+        feats, batch_feats = ctx.latent.of(torch.cat([cand, evals]), images, self.max_age)
         scores = self.score(feats[: cand.numel()], buffer.labels[cand], feats[cand.numel():],
                             buffer.labels[evals], batch_feats, labels.to(buffer.device))
         ctx.stats["retrieval_scores"] = scores
@@ -81,8 +83,8 @@ class ASVRetrieval(_LatentScoreRetrieval):
     """ASER retrieval. ASV, eq. (5): max_{j in S_sub} s_j(i) - min_{k in B_n} s_k(i);
     ASV_mu, eq. (6): mean over S_sub minus mean over B_n."""
 
-    def __init__(self, k: int, per_class: int, mean: bool):
-        super().__init__(per_class)
+    def __init__(self, k: int, per_class: int, mean: bool, max_age: int = 0):
+        super().__init__(per_class, max_age)
         self.k, self.mean = k, mean
         self.name = "asv-mu" if mean else "asv"
 

@@ -160,6 +160,46 @@ def test_no_value_is_computed_on_features_older_than_the_bound(max_age, cifar10_
         assert sum(recomputed) < 0.5 * 30 * len(recomputed)
 
 
+def test_asv_on_the_balanced_memory_scores_features_within_the_bound(cifar10_slice, monkeypatch):
+    """cb-aser (ASV retrieval on the duel memory, 2 iterations a batch): every memory feature it
+    scores comes from weights at most `feature_max_age` optimizer steps old, and with a bound of 6
+    it forwards far fewer images than with fresh features (0). The paper's ASER ignores the bound."""
+    import learner.latent as latent
+
+    ages = []
+    original = latent.Latent.of
+
+    def watched(self, slots, images=None, max_age=0):
+        out = original(self, slots, images, max_age)
+        ages.append(int((self.version - self.buffer.feature_version[slots]).max()))
+        return out
+
+    monkeypatch.setattr(latent.Latent, "of", watched)
+    keep = torch.nonzero(cifar10_slice.train_y < 4).flatten()[:200]
+    x, y = cifar10_slice.train_x[keep], cifar10_slice.train_y[keep]
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(1))
+
+    def run(method, age):
+        learner = make_learner(method, num_classes=4, mem_size=30, seed=0, iterations=2, feature_max_age=age)
+        extract, forwarded = learner.extract, [0]
+
+        def counting(images, batch_size=512):
+            forwarded[0] += len(images)
+            return extract(images, batch_size)
+
+        learner.extract = counting
+        ages.clear()
+        for i in range(0, 200, 10):
+            learner.observe(x[order[i:i + 10]], y[order[i:i + 10]])
+        return forwarded[0], list(ages)
+
+    fresh, fresh_ages = run("cb-aser", 0)
+    bounded, bounded_ages = run("cb-aser", 6)
+    assert len(fresh_ages) > 25 and max(fresh_ages) == 0 and max(bounded_ages) <= 6
+    assert bounded < 0.6 * fresh
+    assert make_learner("aser", num_classes=4, mem_size=30, feature_max_age=6).retrieval_policy.max_age == 0
+
+
 def test_forgetting_drops_the_class_count_and_an_old_state_loads(cifar10_slice):
     learner = make_learner("cb-sv-duel", num_classes=4, mem_size=20, seed=0)
     pick = torch.randperm(cifar10_slice.train_y.numel(), generator=torch.Generator().manual_seed(0))[:60]

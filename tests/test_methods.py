@@ -69,7 +69,7 @@ def test_feature_cache_changes_no_choice(method, cifar10_slice, monkeypatch):
     def run(cache: bool):
         learner = make_learner(method, num_classes=10, mem_size=40, seed=3)
         if not cache:
-            monkeypatch.setattr(learner.buffer, "cached_mask", lambda slots, version: torch.zeros_like(slots, dtype=torch.bool))
+            monkeypatch.setattr(learner.buffer, "cached_mask", lambda slots, version, max_age=0: torch.zeros_like(slots, dtype=torch.bool))
         forwarded = 0
         original = learner.extract
 

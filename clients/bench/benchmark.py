@@ -440,8 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ema", type=float, metavar="DECAY",
                      help="predict and evaluate with an exponential moving average of the weights (e.g. 0.99)")
     run.add_argument("--feature-max-age", type=int, default=100, metavar="S",
-                     help="class-balanced KNN-SV memories (cb-*): value the memory on cached features at most S "
-                          "optimizer steps old (0: fresh features for every valuation)")
+                     help="class-balanced memories (cb-*): their KNN-SV rules and ASV retrieval value the memory on "
+                          "cached features at most S optimizer steps old (0: fresh features for every valuation)")
     run.add_argument("--stream-rate", metavar="R",
                      help="the real-time protocol: the stream arrives at R samples/s (or Nx: N times plain ER's "
                           "throughput by the cost model) against a clock the learner's work advances")

@@ -71,6 +71,9 @@ OPTION_CASES = {
     "cbrs-ace-aug-it2-ema": ("cbrs", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99}),
     "cb-sv-duel-ace-aug-it2-ema": ("cb-sv-duel", {"loss": "ace", "augment": True, "iterations": 2,
                                                   "ema_decay": 0.99}),
+    # ASER's retrieval (ASV, ASV_mu) on the duel memory: at most 1.25x the duel's random retrieval (rule 2)
+    **{f"{m}-ace-aug-it2-ema": (m, {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99})
+       for m in ("cb-aser", "cb-aser-mu")},
     # issue 37's options on the best configuration
     "er-ace-augstrong-it2-ema": ("er", {"loss": "ace", "augment": "strong", "iterations": 2, "ema_decay": 0.99}),
     "er-ace-aug-it2-ema-kd1": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99,
@@ -82,6 +85,7 @@ OPTION_CASES = {
 
 
 BEST = "er-ace-aug-it2-ema"  # today's best configuration, what the options are priced against
+DUEL = "cb-sv-duel-ace-aug-it2-ema"  # the balanced ASER memory with random retrieval, what ASV is priced against
 
 
 def _learner_step(method: str, *, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
@@ -168,6 +172,8 @@ def ratios(cases: dict) -> dict:
     for name in OPTION_CASES:
         if name.startswith(("cb", "er-ace-aug")) and name != BEST and name in cases and BEST in cases:
             out[f"{name} / {BEST} (means)"] = round(cases[name]["mean_ms"] / cases[BEST]["mean_ms"], 3)
+        if name.startswith("cb-aser") and name in cases and DUEL in cases:
+            out[f"{name} / {DUEL} (means)"] = round(cases[name]["mean_ms"] / cases[DUEL]["mean_ms"], 3)
     if "default-step" in cases and "bare-step" in cases:
         out["default-step / bare-step"] = round(cases["default-step"]["median_ms"] / cases["bare-step"]["median_ms"], 3)
     return out
