@@ -106,8 +106,9 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     the replay methods' repeated augmented rehearsal (`learner.replay`); `distill` weighs the moving
     average's distillation term (`learner.objective`; needs `ema_decay`). `feature_max_age`: the
     class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu), value the memory
-    on cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape,
-    channels_last, autocast_dtype, latent_dtype, compile, ema_decay, serving_bn, serving_bias).
+    on cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to
+    the learner (lr, device, seed, image_shape, channels_last, autocast_dtype, latent_dtype,
+    compile, ema_decay, serving_bn, serving_bias).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.
