@@ -12,13 +12,15 @@ machine hits every case alike (ratios are what count):
 - er-ace, sv-upd-ace, er-ace-aug-it2-ema (the stronger learner's options: crop + flip, 2 steps
   per batch, a moving-average serving head), er-ace-aug-ema and sv-upd-ace-ema (one step per
   batch, with the average; the service's default): the same `observe`;
-- the class-balanced memories (cbrs, cb-sv-duel) and issue 37's options (strong augmentation,
-  distillation, a third iteration, a replay batch of 20) under the stronger options;
+- the class-balanced memories (cbrs, cb-sv-duel, and ASER's retrieval on the duel memory:
+  cb-aser, cb-aser-mu) and issue 37's options (strong augmentation, distillation, a third
+  iteration, a replay batch of 20) under the stronger options;
 - inference-100: logits of 100 images; serving-bn-refresh and serving-bias-refresh: the served
   average corrected on a full memory, its BatchNorm statistics or its logit bias (samples/s:
   memory images a second).
 
     python -m clients.bench.benchmark speed --out results/speed-cpu.json
+    python -m clients.bench.benchmark speed --threads 1 --rounds 100 --cases er,cb-sv-duel-ace-aug-it2-ema
 """
 
 from __future__ import annotations
