@@ -484,8 +484,10 @@ class LearnerWorker:
         """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected
         on the memory (`ContinualLearner.refresh_serving`), every ASER_SERVING_REFRESH_STEPS steps
         and whenever the memory's classes change."""
+        if not self._corrects_serving():
+            return
         classes = self._memory_classes()
-        if self._corrects_serving() and self._served_made.due(self.progress(), classes, force):
+        if self._served_made.due(self.progress(), classes, force):
             self.learner.refresh_serving()
             self._served_made.made(self.progress(), classes)
 
@@ -493,8 +495,10 @@ class LearnerWorker:
         """With ASER_HEAD=ncm: the class means, from a feature pass over the memory, every
         ASER_NCM_REFRESH_STEPS steps and whenever the memory's classes change (a new class is
         answered at once, a forgotten one never again)."""
+        if self.settings.head != "ncm":
+            return
         classes = self._memory_classes()
-        if self.settings.head == "ncm" and self._ncm_made.due(self.progress(), classes, force):
+        if self._ncm_made.due(self.progress(), classes, force):
             self._ncm = ncm_head(self.learner)
             self._ncm_made.made(self.progress(), classes)
 
