@@ -470,6 +470,7 @@ class LearnerWorker:
         if self._serving_current():
             return False
         self._refresh_serving(force=True)
+        self.learner.rename_weights()  # other answers from the same step: another model_version
         self.publish()
         return True
 

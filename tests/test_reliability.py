@@ -242,6 +242,26 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     assert again.learner.steps == 4
 
 
+def test_an_idle_refit_of_the_served_corrections_is_a_new_model_version(tmp_path, cifar10_slice):
+    """An idle worker refits the served bias to the learner's latest step: what /predict answers
+    changes, so its model_version does too (a cache or a snapshot keyed on it sees the change)."""
+    worker = worker_for(tmp_path, cifar10_slice, 0, serving_bias=True, serving_refresh_steps=1000)
+    by_class = [[i for i in range(len(cifar10_slice.train_y)) if int(cifar10_slice.train_y[i]) == c][:10] for c in (0, 1, 2)]
+    order = [i for trio in zip(*by_class) for i in trio]  # every class in the first step, none new after it
+    worker.store.append([NewSample(cifar10_slice.class_names[int(cifar10_slice.train_y[i])], pixels(cifar10_slice, i))
+                         for i in order], 10)
+    while worker.train_available():
+        pass
+    before = worker.predictor
+    assert before.samples_trained == 30 and not worker.published.current
+    assert worker.correct_serving_if_idle()
+    after = worker.predictor
+    assert worker.published.current and after.steps == before.steps
+    assert after.version > before.version and not torch.equal(after.head_bias, before.head_bias)
+    assert not worker.correct_serving_if_idle()  # up to date: nothing more to do
+    assert worker.predictor.version == after.version
+
+
 def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar10_slice, monkeypatch):
     """ASER_MEM_SIZE=0: the checkpoint holds an empty memory, and a restart still restores it,
     reading the checkpoint file once (its identity and its state)."""
