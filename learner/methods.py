@@ -66,6 +66,8 @@ REPLAY_METHODS = {
 LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "dist": "random",
                  "dist-mu": "random", "mir": "random",
                  **{balanced_name(rule): balanced_name("random") for rule in VICTIM_RULES if rule != "random"}}
+# the policies K or N_c shape (`shapley_settings`)
+VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", *(balanced_name(r) for r in ("value", "duel", "compete"))}
 OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline")
 METHODS = tuple(REPLAY_METHODS) + OTHER_METHODS
 IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}
@@ -81,6 +83,15 @@ def lean_method(method: str) -> str:
         return method
     pair = tuple(LEAN_POLICIES.get(p, p) for p in REPLAY_METHODS[method])
     return next(m for m, policies in REPLAY_METHODS.items() if policies == pair)
+
+
+def uses_shapley_settings(method: str) -> bool:
+    """Whether K or N_c shape `method`'s memory policies (a result records them only then).
+
+    >>> uses_shapley_settings("cb-aser"), uses_shapley_settings("cbrs"), uses_shapley_settings("ewc")
+    (True, False, False)
+    """
+    return bool(set(REPLAY_METHODS.get(method, ())) & VALUED_POLICIES)
 
 
 def shapley_settings(method: str, dataset: str, k: int | None, n_candidates: int | None) -> tuple[int, int]:

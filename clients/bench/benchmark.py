@@ -23,7 +23,7 @@ import torch
 from learner import METHODS, make_learner
 from learner.catch_up import MEMORY_SHARE
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
-from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings
+from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 from learner.ncm import memory_ncm
 from learner.augment import AUGMENTATIONS
 from learner.base import SERVING_BN
@@ -43,8 +43,6 @@ from .results import (
     plot_seeds,
     summary_table,
 )
-
-SHAPLEY_PARTS = {"knn-sv", "asv", "asv-mu", "dist", "dist-mu", "cb-value", "cb-duel", "cb-compete"}
 
 
 def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, list[float]]:
@@ -255,7 +253,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         other = run.get(MATRICES[key], [])
         ncm |= matrix_summary(other, f"_{key}") if other and len(other) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
-    uses_shapley = bool(set(REPLAY_METHODS.get(args.method, ())) & SHAPLEY_PARTS)
+    uses_shapley = uses_shapley_settings(args.method)
     passes, _ = stream_passes(args, data, data.tasks(args.tasks))
     return {
         "method": args.method,
