@@ -1,6 +1,9 @@
-"""Memory retrieval policies: random, MIR, ASV / ASV_mu (ASER), Dist / Dist_mu (appendix)."""
+"""Memory retrieval policies: random, MIR, ASV / ASV_mu (ASER), Dist / Dist_mu (appendix), and
+ASV_mu on the old classes beside random draws of the incoming ones."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch.nn import functional as F
@@ -127,3 +130,30 @@ def _mean0(values: torch.Tensor) -> torch.Tensor:
 def _max0(values: torch.Tensor) -> torch.Tensor:
     return values.max(0).values if values.shape[0] else values.new_zeros(values.shape[1])
 
+
+
+class OldClassesBy(MemoryRetrieval):
+    """Random retrieval's mix of incoming and old classes, with `choose` (ASV_mu) picking the old
+    ones: n eligible slots drawn at random; those of the incoming batch's classes are replayed as
+    drawn, and the rest of the n are chosen by `choose` among the slots of the other classes.
+
+    ASV alone never replays an incoming class: a memory sample of the batch's own class is
+    valuable to it, and eqs. (5)-(6) subtract that value. Under the ACE loss the replay is where a
+    new class meets the old ones (the incoming term covers only the incoming classes), so without
+    it the served model never answers the newest task (results.md, issue 36)."""
+
+    def __init__(self, choose: MemoryRetrieval):
+        self.choose = choose
+        self.name = f"{choose.name}-old"
+
+    def retrieve(self, buffer, images, labels, n, ctx):
+        slots = ctx.eligible_slots(buffer)
+        incoming = torch.isin(buffer.labels[slots], labels.to(buffer.device).unique())
+        drawn = random_sample(slots, n, ctx.generator)
+        kept = drawn[torch.isin(drawn, slots[incoming])]
+        if kept.numel() == drawn.numel():
+            return drawn
+        old = torch.zeros(buffer.capacity, dtype=torch.bool, device=buffer.device)
+        old[slots[~incoming]] = True
+        chosen = self.choose.retrieve(buffer, images, labels, drawn.numel() - kept.numel(), replace(ctx, eligible=old))
+        return torch.cat([kept, chosen])

@@ -7,7 +7,7 @@ from learner import make_learner
 from learner.buffer import ReplayBuffer
 from learner.latent import Latent
 from learner.policy import StepContext
-from learner.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, RandomRetrieval
+from learner.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval
 from learner.sampling import class_balanced_sample
 from learner.shapley import knn_shapley
 from learner.update import KNNShapleyUpdate, ReservoirUpdate
@@ -168,7 +168,7 @@ def test_asv_scores_follow_equations_5_and_6_on_a_hand_made_example():
 
 
 @pytest.mark.parametrize("policy", [RandomRetrieval(), ASVRetrieval(3, 3, True), ASVRetrieval(3, 3, False),
-                                    DistRetrieval(3, True), DistRetrieval(3, False)])
+                                    DistRetrieval(3, True), DistRetrieval(3, False), OldClassesBy(ASVRetrieval(3, 3, True))])
 def test_retrieval_never_returns_more_than_asked(policy):
     g = torch.Generator().manual_seed(2)
     buf = filled_buffer(torch.randint(0, 255, (30,), generator=g).tolist(), torch.randint(0, 4, (30,), generator=g).tolist())
@@ -188,6 +188,20 @@ def test_asv_retrieval_picks_the_top_scores_of_its_candidates():
     assert slots.numel() == 5
     assert torch.sort(scores, descending=True).values[4] <= scores.max()
     assert len(torch.sort(scores, descending=True).values) == 16  # 4 candidates from each of 4 classes
+
+
+def test_asv_on_the_old_classes_replays_the_incoming_ones_as_random_retrieval_draws_them():
+    """The incoming classes' slots are random retrieval's draw with the same generator; the rest
+    are ASV_mu's choice among the other classes."""
+    g = torch.Generator().manual_seed(4)
+    buf = filled_buffer(torch.randint(0, 255, (40,), generator=g).tolist(), (torch.arange(40) % 4).tolist())
+    batch, batch_y = points([50, 60, 70]), torch.tensor([0, 0, 1])
+    for seed in range(5):
+        slots = OldClassesBy(ASVRetrieval(3, 4, True)).retrieve(buf, batch, batch_y, 10, context(buf, seed, 4))
+        drawn = RandomRetrieval().retrieve(buf, batch, batch_y, 10, context(buf, seed, 4))
+        incoming = lambda s: s[buf.labels[s] <= 1]  # noqa: E731
+        assert slots.numel() == 10 and slots.unique().numel() == 10
+        assert incoming(slots).tolist() == incoming(drawn).tolist()
 
 
 def test_excluding_the_current_task_never_replays_it():
