@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from clients.bench.benchmark import main
 from clients.bench.results import comparison_table, comparisons, load_paper, paired_difference, summary_table
 from clients.bench.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
@@ -99,6 +101,16 @@ def test_a_running_sweep_follows_edits_to_its_grid(tmp_path, cache_dir):
     assert any("unreadable" in line for line in lines)
     assert [line.split("]")[0] for line in lines if "A_T" in line] == ["[1 done, 1 to go", "[2 done, 1 to go",
                                                                        "[3 done, 0 to go"]
+
+
+def test_a_grid_naming_a_method_this_code_lacks_is_refused(tmp_path):
+    """A method added to the learner after a sweep started is unknown to that sweep: it would name
+    the run's file and build its command without the method's memory; the grid is refused instead
+    (a running sweep goes on with the grid as last read)."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text(f'[data]\ncifar10 = "{CIFAR10_ZIP}"\n\n[[runs]]\ndataset = "cifar10"\nmethod = ["er", "er-next"]\nseed = 0\n')
+    with pytest.raises(ValueError, match="er-next"):
+        read_grid(grid)
 
 
 def test_a_held_lock_is_respected_and_a_dead_ones_taken_over(tmp_path, cache_dir):

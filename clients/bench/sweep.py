@@ -49,7 +49,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from learner.methods import REPLAY_METHODS
+from learner.methods import METHODS, REPLAY_METHODS
 
 AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed", "augment", "iterations", "ema",
         "train_per_class")
@@ -142,7 +142,8 @@ class RunSpec:
 
 
 def read_grid(path: Path) -> dict:
-    """The grid in `path`; ValueError if a block lacks an axis or a dataset lacks its [data] path."""
+    """The grid in `path`; ValueError if a block lacks an axis, a dataset lacks its [data] path or a
+    method is unknown."""
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
@@ -153,6 +154,10 @@ def read_grid(path: Path) -> dict:
     unknown = {s.dataset for s in expand(grid)} - set(grid.get("data", {}))
     if unknown:
         raise ValueError(f"no [data] path for {sorted(unknown)}")
+    # a running sweep knows the methods of the code it started with: it would name and build a newer one wrongly
+    new_methods = {s.method for s in expand(grid)} - set(METHODS)
+    if new_methods:
+        raise ValueError(f"methods unknown to this sweep's code: {sorted(new_methods)} (restart it after adding one)")
     return grid
 
 
