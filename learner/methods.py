@@ -17,7 +17,7 @@ from .ewc import EWCpp
 from .finetune import FineTune
 from .objective import ReplayObjective
 from .replay import ReplayLearner
-from .retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval
+from .retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
 from .update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
 
 
@@ -58,17 +58,19 @@ REPLAY_METHODS = {
     "cb-aser": ("cb-duel", "asv"),
     "cb-aser-mu": ("cb-duel", "asv-mu"),
     "cb-aser-mu-old": ("cb-duel", "asv-mu-old"),
+    "cb-aser-mu-within": ("cb-duel", "asv-mu-within"),
     "cbrs-aser-mu": ("cb-random", "asv-mu"),
 }
 # A policy's lean form, for a learner behind its stream (`observe(..., lean=True)`, `learner.catch_up`):
 # those that run a feature or gradient pass of their own give way to the one that needs none, so a lean
 # step of ASER's memory costs what ER's step costs (3.8x less on one CPU thread, the cost model in
 # results/realtime/cost-model.json). The others are their own lean form.
-LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "asv-mu-old": "random", "dist": "random",
+LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "asv-mu-old": "random",
+                 "asv-mu-within": "random", "dist": "random",
                  "dist-mu": "random", "mir": "random",
                  **{balanced_name(rule): balanced_name("random") for rule in VICTIM_RULES if rule != "random"}}
 # the policies K or N_c shape (`shapley_settings`)
-VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "dist", "dist-mu", *(balanced_name(r) for r in ("value", "duel", "compete"))}
+VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "asv-mu-within", "dist", "dist-mu", *(balanced_name(r) for r in ("value", "duel", "compete"))}
 OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline")
 METHODS = tuple(REPLAY_METHODS) + OTHER_METHODS
 IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}
@@ -117,7 +119,7 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     "crop-flip": crop + flip of every training batch; "strong": `learner.augment.StrongAugment`) are
     the replay methods' repeated augmented rehearsal (`learner.replay`); `distill` weighs the moving
     average's distillation term (`learner.objective`; needs `ema_decay`). `feature_max_age`: the
-    class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu, cb-aser-mu-old), value the memory
+    class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu, cb-aser-mu-old, cb-aser-mu-within), value the memory
     on cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to
     the learner (lr, device, seed, image_shape, channels_last, autocast_dtype, latent_dtype,
     compile, ema_decay, serving_bn, serving_bias).
@@ -162,6 +164,7 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
         "asv": lambda: ASVRetrieval(k=k, per_class=per_class, mean=False, max_age=asv_age),
         "asv-mu": lambda: ASVRetrieval(k=k, per_class=per_class, mean=True, max_age=asv_age),
         "asv-mu-old": lambda: OldClassesBy(ASVRetrieval(k=k, per_class=per_class, mean=True, max_age=asv_age)),
+        "asv-mu-within": lambda: WithinClassesBy(ASVRetrieval(k=k, per_class=per_class, mean=True, max_age=asv_age)),
         "dist": lambda: DistRetrieval(per_class=per_class, mean=False),
         "dist-mu": lambda: DistRetrieval(per_class=per_class, mean=True),
     }

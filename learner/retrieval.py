@@ -1,5 +1,5 @@
 """Memory retrieval policies: random, MIR, ASV / ASV_mu (ASER), Dist / Dist_mu (appendix), and
-ASV_mu on the old classes beside random draws of the incoming ones."""
+ASV_mu confined to a class mix drawn at random (among the old classes; within each class)."""
 
 from __future__ import annotations
 
@@ -71,12 +71,17 @@ class _LatentScoreRetrieval(MemoryRetrieval):
         cand = class_balanced_sample(buffer.labels, slots, self.per_class, ctx.generator)
         if cand.numel() <= n:
             return cand
+        scores = self.score_candidates(buffer, cand, slots, images, labels, ctx)
+        return cand[torch.sort(scores, descending=True, stable=True).indices[:n]]
+
+    def score_candidates(self, buffer, cand, slots, images, labels, ctx) -> torch.Tensor:
+        """The candidates' scores against S_sub, a class-balanced sample of the other `slots`."""
         evals = class_balanced_sample(buffer.labels, exclude(slots, cand), self.per_class, ctx.generator)
         feats, batch_feats = ctx.latent.of(torch.cat([cand, evals]), images, self.max_age)
         scores = self.score(feats[: cand.numel()], buffer.labels[cand], feats[cand.numel():],
                             buffer.labels[evals], batch_feats, labels.to(buffer.device))
         ctx.stats["retrieval_scores"] = scores
-        return cand[torch.sort(scores, descending=True, stable=True).indices[:n]]
+        return scores
 
     def score(self, cand_f, cand_y, eval_f, eval_y, batch_f, batch_y) -> torch.Tensor:
         raise NotImplementedError
@@ -157,3 +162,31 @@ class OldClassesBy(MemoryRetrieval):
         old[slots[~incoming]] = True
         chosen = self.choose.retrieve(buffer, images, labels, drawn.numel() - kept.numel(), replace(ctx, eligible=old))
         return torch.cat([kept, chosen])
+
+
+class WithinClassesBy(MemoryRetrieval):
+    """Random retrieval's classes, with `choose` (ASV_mu) picking the members: n eligible slots
+    drawn at random set how many of each class are replayed, and of each class the candidates
+    `choose` scores highest go (its class-balanced candidates; the drawn members make up a class
+    with fewer). As the balanced memory lets values decide only within a class: ASV_mu's top-n
+    over all classes favoured a few old classes and let others go unreplayed (results.md, issue 36)."""
+
+    def __init__(self, choose: _LatentScoreRetrieval):
+        self.choose = choose
+        self.name = f"{choose.name}-within"
+
+    def retrieve(self, buffer, images, labels, n, ctx):
+        slots = ctx.eligible_slots(buffer)
+        drawn = random_sample(slots, n, ctx.generator)
+        if buffer.n_seen <= buffer.capacity or drawn.numel() == 0:
+            return drawn
+        cand = class_balanced_sample(buffer.labels, slots, self.choose.per_class, ctx.generator)
+        scores = self.choose.score_candidates(buffer, cand, slots, images, labels, ctx)
+        ranked = cand[torch.sort(scores, descending=True, stable=True).indices]
+        picked = []
+        for c, k in zip(*buffer.labels[drawn].unique(return_counts=True)):
+            best = ranked[buffer.labels[ranked] == c][:k]
+            if best.numel() < k:
+                best = torch.cat([best, exclude(drawn[buffer.labels[drawn] == c], best)[: k - best.numel()]])
+            picked.append(best)
+        return torch.cat(picked)

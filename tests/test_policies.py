@@ -7,7 +7,7 @@ from learner import make_learner
 from learner.buffer import ReplayBuffer
 from learner.latent import Latent
 from learner.policy import StepContext
-from learner.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval
+from learner.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
 from learner.sampling import class_balanced_sample
 from learner.shapley import knn_shapley
 from learner.update import KNNShapleyUpdate, ReservoirUpdate
@@ -168,7 +168,8 @@ def test_asv_scores_follow_equations_5_and_6_on_a_hand_made_example():
 
 
 @pytest.mark.parametrize("policy", [RandomRetrieval(), ASVRetrieval(3, 3, True), ASVRetrieval(3, 3, False),
-                                    DistRetrieval(3, True), DistRetrieval(3, False), OldClassesBy(ASVRetrieval(3, 3, True))])
+                                    DistRetrieval(3, True), DistRetrieval(3, False), OldClassesBy(ASVRetrieval(3, 3, True)),
+                                    WithinClassesBy(ASVRetrieval(3, 3, True))])
 def test_retrieval_never_returns_more_than_asked(policy):
     g = torch.Generator().manual_seed(2)
     buf = filled_buffer(torch.randint(0, 255, (30,), generator=g).tolist(), torch.randint(0, 4, (30,), generator=g).tolist())
@@ -202,6 +203,30 @@ def test_asv_on_the_old_classes_replays_the_incoming_ones_as_random_retrieval_dr
         incoming = lambda s: s[buf.labels[s] <= 1]  # noqa: E731
         assert slots.numel() == 10 and slots.unique().numel() == 10
         assert incoming(slots).tolist() == incoming(drawn).tolist()
+
+
+def test_asv_within_classes_replays_random_retrievals_class_counts_and_each_classs_top_scores():
+    g = torch.Generator().manual_seed(5)
+    buf = filled_buffer(torch.randint(0, 255, (40,), generator=g).tolist(), (torch.arange(40) % 4).tolist())
+    batch, batch_y = points([50, 60, 70]), torch.tensor([0, 0, 1])
+    for seed in range(5):
+        ctx = context(buf, seed, 4)
+        slots = WithinClassesBy(ASVRetrieval(3, 4, True)).retrieve(buf, batch, batch_y, 10, ctx)
+        drawn = RandomRetrieval().retrieve(buf, batch, batch_y, 10, context(buf, seed, 4))
+        after_draw = torch.Generator().manual_seed(seed)  # the policy's draws in its order: the classes, then
+        torch.randperm(40, generator=after_draw)  # the candidates its scores are of
+        cand = class_balanced_sample(buf.labels, torch.arange(40), 4, after_draw)
+        scores = ctx.stats["retrieval_scores"]
+        assert slots.unique().numel() == 10 and scores.numel() == cand.numel() == 16
+        assert torch.equal(buf.labels[slots].bincount(minlength=4), buf.labels[drawn].bincount(minlength=4))
+        for c in range(4):
+            k = int((buf.labels[slots] == c).sum())
+            of_c = buf.labels[cand] == c
+            top = min(k, int(of_c.sum()))  # a class drawn more often than it has candidates: all of them go
+            if top:
+                kth = torch.sort(scores[of_c], descending=True).values[top - 1]
+                assert int((of_c & torch.isin(cand, slots)).sum()) == top
+                assert scores[of_c & torch.isin(cand, slots)].min() >= kth
 
 
 def test_excluding_the_current_task_never_replays_it():
