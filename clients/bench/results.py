@@ -59,6 +59,8 @@ def run_label(result: dict) -> str:
     'er (ace, one-class batches)'
     >>> run_label({"method": "er", "settings": {"loss": "ace", "augment": True, "iterations": 3, "ema": 0.99}})
     'er (ace, aug, 3 iter, ema 0.99)'
+    >>> run_label({"method": "cb-sv-duel", "settings": {"loss": "ace", "feature_max_age": 0}})
+    'cb-sv-duel (ace, age 0)'
     >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "2x", "max_lag_s": 60.0,
     ...                                                         "idle_rehearsal": False}})
     'er (rate 2x, lag 60 s)'
@@ -86,6 +88,8 @@ def run_label(result: dict) -> str:
         modes.append("one-class batches")
     if settings.get("replay_batch", 10) != 10:
         modes.append(f"replay {settings['replay_batch']}")
+    if settings.get("feature_max_age", 100) != 100:  # fresh or staler features never pool with the default bound
+        modes.append(f"age {settings['feature_max_age']}")
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
         modes.append(f"{settings['train_per_class']}/class")
     if result.get("via"):
