@@ -70,7 +70,8 @@ LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "as
                  "dist-mu": "random", "mir": "random",
                  **{balanced_name(rule): balanced_name("random") for rule in VICTIM_RULES if rule != "random"}}
 # the policies K or N_c shape (`shapley_settings`)
-VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "asv-mu-within", "dist", "dist-mu", *(balanced_name(r) for r in ("value", "duel", "compete"))}
+VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "asv-mu-within", "dist", "dist-mu",
+                   *(balanced_name(r) for r in ("value", "duel", "compete"))}
 OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline")
 METHODS = tuple(REPLAY_METHODS) + OTHER_METHODS
 IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}
@@ -119,10 +120,10 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     "crop-flip": crop + flip of every training batch; "strong": `learner.augment.StrongAugment`) are
     the replay methods' repeated augmented rehearsal (`learner.replay`); `distill` weighs the moving
     average's distillation term (`learner.objective`; needs `ema_decay`). `feature_max_age`: the
-    class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu, cb-aser-mu-old, cb-aser-mu-within), value the memory
-    on cached features at most this many optimizer steps old (`learner.balanced`). kwargs go to
-    the learner (lr, device, seed, image_shape, channels_last, autocast_dtype, latent_dtype,
-    compile, ema_decay, serving_bn, serving_bias).
+    class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu, cb-aser-mu-old,
+    cb-aser-mu-within), value the memory on cached features at most this many optimizer steps old
+    (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
+    autocast_dtype, latent_dtype, compile, ema_decay, serving_bn, serving_bias).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.

@@ -168,8 +168,8 @@ def test_asv_scores_follow_equations_5_and_6_on_a_hand_made_example():
 
 
 @pytest.mark.parametrize("policy", [RandomRetrieval(), ASVRetrieval(3, 3, True), ASVRetrieval(3, 3, False),
-                                    DistRetrieval(3, True), DistRetrieval(3, False), OldClassesBy(ASVRetrieval(3, 3, True)),
-                                    WithinClassesBy(ASVRetrieval(3, 3, True))])
+                                    DistRetrieval(3, True), DistRetrieval(3, False),
+                                    OldClassesBy(ASVRetrieval(3, 3, True)), WithinClassesBy(ASVRetrieval(3, 3, True))])
 def test_retrieval_never_returns_more_than_asked(policy):
     g = torch.Generator().manual_seed(2)
     buf = filled_buffer(torch.randint(0, 255, (30,), generator=g).tolist(), torch.randint(0, 4, (30,), generator=g).tolist())

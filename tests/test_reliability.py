@@ -246,7 +246,8 @@ def test_an_idle_refit_of_the_served_corrections_is_a_new_model_version(tmp_path
     """An idle worker refits the served bias to the learner's latest step: what /predict answers
     changes, so its model_version does too (a cache or a snapshot keyed on it sees the change)."""
     worker = worker_for(tmp_path, cifar10_slice, 0, serving_bias=True, serving_refresh_steps=1000)
-    by_class = [[i for i in range(len(cifar10_slice.train_y)) if int(cifar10_slice.train_y[i]) == c][:10] for c in (0, 1, 2)]
+    labels = cifar10_slice.train_y
+    by_class = [[i for i in range(len(labels)) if int(labels[i]) == c][:10] for c in (0, 1, 2)]
     order = [i for trio in zip(*by_class) for i in trio]  # every class in the first step, none new after it
     worker.store.append([NewSample(cifar10_slice.class_names[int(cifar10_slice.train_y[i])], pixels(cifar10_slice, i))
                          for i in order], 10)
