@@ -153,13 +153,13 @@ class OldClassesBy(MemoryRetrieval):
 
     def retrieve(self, buffer, images, labels, n, ctx):
         slots = ctx.eligible_slots(buffer)
-        incoming = torch.isin(buffer.labels[slots], labels.to(buffer.device).unique())
+        incoming = labels.to(buffer.device).unique()
         drawn = random_sample(slots, n, ctx.generator)
-        kept = drawn[torch.isin(drawn, slots[incoming])]
+        kept = drawn[torch.isin(buffer.labels[drawn], incoming)]
         if kept.numel() == drawn.numel():
             return drawn
         old = torch.zeros(buffer.capacity, dtype=torch.bool, device=buffer.device)
-        old[slots[~incoming]] = True
+        old[slots[~torch.isin(buffer.labels[slots], incoming)]] = True
         chosen = self.choose.retrieve(buffer, images, labels, drawn.numel() - kept.numel(), replace(ctx, eligible=old))
         return torch.cat([kept, chosen])
 

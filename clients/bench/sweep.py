@@ -151,11 +151,12 @@ def read_grid(path: Path) -> dict:
         grid = yaml.safe_load(text)
     else:
         grid = tomllib.loads(text)
-    unknown = {s.dataset for s in expand(grid)} - set(grid.get("data", {}))
+    specs = expand(grid)
+    unknown = {s.dataset for s in specs} - set(grid.get("data", {}))
     if unknown:
         raise ValueError(f"no [data] path for {sorted(unknown)}")
     # a running sweep knows the methods of the code it started with: it would name and build a newer one wrongly
-    new_methods = {s.method for s in expand(grid)} - set(METHODS)
+    new_methods = {s.method for s in specs} - set(METHODS)
     if new_methods:
         raise ValueError(f"methods unknown to this sweep's code: {sorted(new_methods)} (restart it after adding one)")
     return grid
