@@ -173,8 +173,14 @@ def buffer_rows_by_class(data_dir) -> dict[str, int]:
     return dict(rows)
 
 
-def test_graceful_restart_resumes_the_same_model(tmp_path, jpegs):
-    s = Server(tmp_path, batch_size=5).start()
+# the service's default method, and the class-balanced KNN-SV memory under the stronger learner's options
+# (issue 36's candidate for the default)
+METHODS = [{}, {"method": "cb-sv-duel", "loss": "ace", "augment": "true", "iterations": 2}]
+
+
+@pytest.mark.parametrize("settings", METHODS, ids=["default", "cb-sv-duel"])
+def test_graceful_restart_resumes_the_same_model(tmp_path, jpegs, settings):
+    s = Server(tmp_path, batch_size=5, **settings).start()
     try:
         r = httpx.post(f"{s.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in jpegs[:25]]})
         assert r.status_code == 201
@@ -195,7 +201,8 @@ def test_graceful_restart_resumes_the_same_model(tmp_path, jpegs):
         s.stop()
 
 
-def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs):
+@pytest.mark.parametrize("settings", METHODS, ids=["default", "cb-sv-duel"])
+def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs, settings):
     """Stream samples, SIGKILL the process at random moments, restart each time: every
     acknowledged sample is trained on exactly once in the lineage (the count trained equals
     the count acknowledged and training reached the last sequence number, in order), and the
@@ -203,7 +210,7 @@ def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs):
     import random
 
     rng = random.Random(0)
-    s = Server(tmp_path, batch_size=4, checkpoint_every_steps=2)
+    s = Server(tmp_path, batch_size=4, checkpoint_every_steps=2, **settings)
     acked = 0
     for _ in range(4):
         s.start()
@@ -220,6 +227,9 @@ def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs):
         st = wait_trained(s, acked)
         assert st["samples_received"] == acked and st["samples_trained"] == acked and st["trained_upto"] == acked
         assert st["backlog"] == 0
+        assert st["method"] == settings.get("method", st["method"]) and st["buffer_size"] == 50  # full: evictions ran
+        if settings:  # the class-balanced memory: two classes streamed alike hold equal shares, within one slot
+            assert max(st["buffer"].values()) - min(st["buffer"].values()) <= 1, st["buffer"]
     finally:
         s.stop()
     assert buffer_rows_by_class(tmp_path) == st["buffer"]
