@@ -194,11 +194,11 @@ class ContinualLearner:
         if self.ema is not None:
             self.ema.update(self.model)
 
-    def rename_weights(self) -> None:
-        """A new `version` without a step, for a served copy corrected while idle: whoever keys on
-        the version (a cache, a snapshot's metadata) sees the change; cached features only look
-        one step older."""
-        self.version += 1
+    def rename_weights(self, above: int = 0) -> None:
+        """A new `version` without a step (and above `above`), for a served copy corrected while idle
+        or a lineage restarted past numbers it served before: whoever keys on the version (a cache,
+        a snapshot's metadata) sees the change; cached features look older by as much."""
+        self.version = max(self.version, above) + 1
 
     def sgd_step(self, images: torch.Tensor, labels: torch.Tensor, extra_loss=None) -> torch.Tensor:
         """One SGD step on the mean cross-entropy of (images, labels) (plus `extra_loss()`)."""

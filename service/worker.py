@@ -35,7 +35,7 @@ from learner.catch_up import CHUNK, CatchUp
 from learner.model import scale_pixels
 from learner.ncm import ncm_head
 
-from .checkpoints import CheckpointStore
+from .checkpoints import CheckpointStore, VersionLease
 from .db import Database, is_disk_full
 from .errors import NoClassesYet, StorageFull
 from .metrics import Metrics
@@ -153,6 +153,7 @@ class LearnerWorker:
         self.device = resolve_device(settings.device)
         self.image_shape = (3, settings.image_size, settings.image_size)
         self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self.versions = VersionLease(db)
         self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size) if settings.max_lag_s else None
         self._follow_lineage()
         self.lean_when_behind = bool(settings.option("lean_when_behind"))  # of the method the lineage has
@@ -222,6 +223,8 @@ class LearnerWorker:
             learner.forget_class(f.class_id)
             self.online.forget_class(f.class_id)
         self.snapshots.purge(forgotten)
+        if learner.version <= self.versions.reserved():  # the checkpoint is older than what was served since
+            learner.rename_weights(above=self.versions.reserved())
         self.learner = learner
         self._last_snapshot = learner.steps
         self.checkpointed = self._last_checkpoint_try = self.progress()
@@ -445,6 +448,10 @@ class LearnerWorker:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
         self._refresh_serving(refresh_head)
         self._refresh_ncm_head(refresh_head)
+        try:
+            self.versions.cover(self.learner.version)
+        except StorageFull:  # the database logs the episode; learning and serving go on, reserved once space returns
+            pass
         known = set(self.published.predictor.labels) if self.published is not None else None
         # one object, one swap: a reader never sees the model of one step beside the memory of another
         self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,

@@ -263,6 +263,24 @@ def test_an_idle_refit_of_the_served_corrections_is_a_new_model_version(tmp_path
     assert worker.predictor.version == after.version
 
 
+def test_a_restart_never_serves_a_model_version_again(tmp_path, cifar10_slice):
+    """A crash after steps beyond the last checkpoint: the restart retrains them from the checkpoint,
+    under numbers above every one served before (a cache keyed on model_version stays right)."""
+    worker = worker_for(tmp_path, cifar10_slice, 20, checkpoint_every_steps=1000)
+    seen = []
+    while worker.train_available():
+        seen.append(worker.predictor.version)
+    assert worker.checkpoints.latest() is None and len(set(seen)) == len(seen) == 4
+    again = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)  # the crash: nothing more written
+    assert again.predictor.samples_trained == 0 and again.predictor.version > max(seen)
+    while again.train_available():
+        seen.append(again.predictor.version)
+    assert again.predictor.samples_trained == 20 and seen == sorted(set(seen))
+    again.checkpoint()
+    third = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)  # a clean restart: the same model,
+    assert third.predictor.steps == 4 and third.predictor.version > max(seen)   # a new number
+
+
 def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar10_slice, monkeypatch):
     """ASER_MEM_SIZE=0: the checkpoint holds an empty memory, and a restart still restores it,
     reading the checkpoint file once (its identity and its state)."""
