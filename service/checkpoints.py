@@ -28,8 +28,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,
     trained_upto INTEGER NOT NULL, steps INTEGER NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS buffer (slot INTEGER PRIMARY KEY, class_id INTEGER NOT NULL, image BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS version_lease (id INTEGER PRIMARY KEY CHECK (id = 1), reserved INTEGER NOT NULL);
 """
+VERSION_SCHEMA = "CREATE TABLE IF NOT EXISTS version_lease (id INTEGER PRIMARY KEY CHECK (id = 1), reserved INTEGER NOT NULL)"
 
 
 class CheckpointStore:
@@ -165,7 +165,7 @@ class VersionLease:
     def __init__(self, db: Database, block: int = 1000):
         self.db, self.block = db, block
         with db.schema() as schema:
-            schema.executescript(SCHEMA)
+            schema.executescript(VERSION_SCHEMA)
         with db.read() as conn:
             row = conn.execute("SELECT reserved FROM version_lease").fetchone()
         self._reserved = row["reserved"] if row else 0

@@ -211,16 +211,18 @@ def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs, settings):
 
     rng = random.Random(0)
     s = Server(tmp_path, batch_size=4, checkpoint_every_steps=2, **settings)
-    acked = 0
+    acked, served = 0, 0
     for _ in range(4):
         s.start()
         assert status(s)["samples_received"] == acked
+        assert status(s)["model_version"] > served  # no number served again after a kill
         deadline = time.time() + rng.uniform(0.5, 2.0)
         while time.time() < deadline:
             lab, img = jpegs[acked % len(jpegs)]
             r = httpx.post(f"{s.url}/samples", json={"samples": [{"label": lab, "image": b64(img)}] * 3})
             assert r.status_code == 201
             acked += 3
+        served = status(s)["model_version"]
         s.kill()
     s.start()
     try:
