@@ -34,6 +34,7 @@ from .realtime import DEFAULT_COST_MODEL, Stream, cost_model, simulate
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
 from .results import (
     comparison_table,
+    corrections_table,
     comparisons,
     group,
     load_paper,
@@ -379,6 +380,8 @@ def cmd_table(args) -> int:
     text = summary_table(groups, load_paper(Path(args.paper)) if args.paper else None)
     if args.compare:
         text += "\n" + comparison_table(comparisons(groups, [tuple(p) for p in args.compare]))
+    if corrections := corrections_table(results):
+        text += "\n" + corrections
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -288,6 +288,36 @@ def comparison_table(rows: list[dict]) -> str:
                                "B's mean train seconds over A's on those seeds.\n")
 
 
+# the served average's corrections on the memory, each evaluated beside the average in every run with a memory
+CORRECTIONS = {"recomputed BatchNorm statistics (--serving-bn memory)": "average_accuracy_bn_memory",
+               "fitted logit bias (--serving-bias)": "average_accuracy_bias_memory"}
+
+
+def corrections_table(results: list[dict]) -> str:
+    """Each correction against the average as served, paired within each run that evaluated both
+    (issue 37's rule 3): every run, then by memory size; "" if no run evaluated one.
+
+    >>> runs = [{"dataset": "d", "mem_size": 10, "average_accuracy": a, "average_accuracy_bias_memory": a + d}
+    ...         for a, d in ((40.0, 1.0), (42.0, 3.0), (41.0, 2.0))]
+    >>> print(corrections_table(runs).splitlines()[3])
+    | fitted logit bias (--serving-bias) | all | 3 | +2.00 ± 2.48 | 3 / 0 |
+    """
+    lines = []
+    for name, key in CORRECTIONS.items():
+        runs = [r for r in results if r.get(key) is not None]
+        scopes = [("all", runs)] + [(f"{d} M={m}", [r for r in runs if (r["dataset"], r["mem_size"]) == (d, m)])
+                                    for d, m in sorted({(r["dataset"], r["mem_size"]) for r in runs})]
+        for scope, rs in scopes if len(scopes) > 2 else scopes[:1]:
+            diff = paired_difference({i: r["average_accuracy"] for i, r in enumerate(rs)},
+                                     {i: r[key] for i, r in enumerate(rs)})
+            lines.append(f"| {name} | {scope} | {diff['seeds']} | {_signed(diff)} | {diff['wins_b']} / {diff['wins_a']} |")
+    if not lines:
+        return ""
+    return ("| correction on the memory | scope | runs | − the average as served: A_T (pts) | runs above / below |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines) +
+            "\n\nPaired within each run (the same trained weights, served two ways); mean ± 95% t-interval.\n")
+
+
 def _signed(d: dict) -> str:
     if d["seeds"] < 2:
         return f"{d['mean']:+.2f}" if d["seeds"] else "n/a"
