@@ -138,6 +138,7 @@ def incoming_replay_share(result: dict) -> float | None:
 SUMMARY_COLUMNS = (  # header, value of one run (None where a run lacks it)
     ("A_T (%)", lambda r: r.get("average_accuracy")),
     ("F_T (%)", lambda r: r.get("average_forgetting")),
+    ("A_T, fitted bias (%)", lambda r: r.get("average_accuracy_bias_memory")),  # as the service serves it
     ("NCM A_T (%)", lambda r: r.get("average_accuracy_ncm")),
     ("NCM F_T (%)", lambda r: r.get("average_forgetting_ncm")),
     ("new-task acc. (%)", new_task_accuracy),
@@ -214,7 +215,9 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
         if paper:
             cells.insert(1, paper_value(paper, dataset, mem, label) or "-")
         lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {' | '.join(cells)} | {secs:.0f} |")
-    note = ("Mean ± 95% CI (t-interval) over seeds; NCM: nearest class mean on the memory; new-task acc.: accuracy "
+    note = ("Mean ± 95% CI (t-interval) over seeds; fitted bias: the same runs served with a logit bias per class "
+            "fitted on the memory (ASER_SERVING_BIAS, the service's default); NCM: nearest class mean on the memory; "
+            "new-task acc.: accuracy "
             "on each task right after it, tasks 2..T; replayed of incoming classes: share of the replayed samples "
             "whose class is in the incoming batch, tasks 2..T.")
     if paper:
