@@ -51,7 +51,8 @@ class Settings(BaseSettings):
                                             "(a web page that rebinds its name to this service gets 400 invalid_host)")
 
     # the learner: ASER's KNN-SV memory update with random retrieval, the ACE loss and a moving-average
-    # serving head (the best ASER configuration on Split CIFAR-10, README), the paper's CIFAR-10 settings
+    # serving head, the paper's CIFAR-10 settings; the class-balanced KNN-SV memory (cb-sv-duel) replaces it
+    # if its full-length runs pass the rule in docs/results.md (issue 36, rule 4: under way)
     method: str = "sv-upd"
     image_size: int = Field(32, ge=8, le=512)
     mem_size: int = Field(1000, ge=0)
