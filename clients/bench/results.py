@@ -302,18 +302,23 @@ def corrections_table(results: list[dict]) -> str:
 
     >>> runs = [{"dataset": "d", "mem_size": 10, "average_accuracy": a, "average_accuracy_bias_memory": a + d}
     ...         for a, d in ((40.0, 1.0), (42.0, 3.0), (41.0, 2.0))]
-    >>> print(corrections_table(runs).splitlines()[3])
+    >>> print(corrections_table(runs).splitlines()[2])
     | fitted logit bias (--serving-bias) | all | 3 | +2.00 ± 2.48 | 3 / 0 |
+    >>> corrections_table([{"dataset": "d", "mem_size": 0, "average_accuracy": 20.0}])
+    ''
     """
     lines = []
     for name, key in CORRECTIONS.items():
         runs = [r for r in results if r.get(key) is not None]
+        if not runs:
+            continue
         scopes = [("all", runs)] + [(f"{d} M={m}", [r for r in runs if (r["dataset"], r["mem_size"]) == (d, m)])
                                     for d, m in sorted({(r["dataset"], r["mem_size"]) for r in runs})]
         for scope, rs in scopes if len(scopes) > 2 else scopes[:1]:
             diff = paired_difference({i: r["average_accuracy"] for i, r in enumerate(rs)},
                                      {i: r[key] for i, r in enumerate(rs)})
-            lines.append(f"| {name} | {scope} | {diff['seeds']} | {_signed(diff)} | {diff['wins_b']} / {diff['wins_a']} |")
+            lines.append(f"| {name} | {scope} | {diff['seeds']} | {_signed(diff)} | "
+                         f"{diff['wins_b']} / {diff['wins_a']} |")
     if not lines:
         return ""
     return ("| correction on the memory | scope | runs | − the average as served: A_T (pts) | runs above / below |\n"
