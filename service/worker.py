@@ -223,8 +223,9 @@ class LearnerWorker:
             learner.forget_class(f.class_id)
             self.online.forget_class(f.class_id)
         self.snapshots.purge(forgotten)
-        if learner.version <= self.versions.reserved():  # the checkpoint is older than what was served since
-            learner.rename_weights(above=self.versions.reserved())
+        reserved = self.versions.reserved()
+        if reserved and learner.version <= reserved:  # the checkpoint is older than what was served since
+            learner.rename_weights(above=reserved)
         self.learner = learner
         self._last_snapshot = learner.steps
         self.checkpointed = self._last_checkpoint_try = self.progress()
