@@ -215,7 +215,7 @@ def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs, settings):
     for _ in range(4):
         s.start()
         assert status(s)["samples_received"] == acked
-        assert status(s)["model_version"] > served  # no number served again after a kill
+        assert served == 0 or status(s)["model_version"] > served  # no trained model's number served again
         deadline = time.time() + rng.uniform(0.5, 2.0)
         while time.time() < deadline:
             lab, img = jpegs[acked % len(jpegs)]
