@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU path, checked and measured in one command: the suite's GPU tests (tests marked `gpu`),
-# step times per method on the GPU in fp32, bf16 and bf16 + torch.compile, and with FULL=1 one
-# full Split CIFAR-10 run of ER and of ASER_mu timed end to end. Figures go to
-# results/gpu-<device>.json (and the speed files beside it). Without CUDA it says so and exits 0.
+# step times per method on the GPU in fp32, bf16 and bf16 + torch.compile, and with FULL=1 one full Split
+# CIFAR-10 run of the best configuration and of the class-balanced ASER memory, timed end to end. Figures go
+# to results/gpu-<device>.json (and the speed files beside it). Without CUDA it says so and exits 0.
 #
 #   bash scripts/gpu-check.sh            # after scripts/install.sh (or with PYTHON=...)
-#   FULL=1 bash scripts/gpu-check.sh
+#   FULL=1 bash scripts/gpu-check.sh    # and one full-length run each of the best and of cb-sv-duel
+#   FULL=1 SPEED=0 bash scripts/gpu-check.sh    # the tests and the runs, keeping the speed files in results/
+#
+# Each stage has its own time limit (STAGE_SECONDS, default 240), so that the record is written even when one
+# stage runs long on a lent machine; torch.compile costs ~30 s a model, so the compiled mode times COMPILE_CASES.
 #
 # The data: ../shared/datasets beside the checkout, else DATASETS (a folder holding
 # cifar10-jpeg.zip; on the GPU machine a carried, git-ignored copy such as .cache/gpu-data).
@@ -24,27 +28,36 @@ slug=$("$PY" -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.g
 work=.cache/gpu-check && mkdir -p "$work" results
 echo "gpu-check on $slug, data in $DATASETS"
 
-ASER_TEST_DATASETS=$DATASETS "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$work/junit.xml" tests/test_gpu.py \
+stage="timeout ${STAGE_SECONDS:-240}"
+COMPILE_CASES=${COMPILE_CASES:-default-step,bare-step,er,er-ace-aug-it2-ema,cb-sv-duel-ace-aug-it2-ema}
+ASER_TEST_DATASETS=$DATASETS $stage "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$work/junit.xml" tests/test_gpu.py \
   2>&1 | tee "$work/pytest.log"
 for mode in "" "--bf16" "--bf16 --compile"; do
+  [ "${SPEED:-1}" = 0 ] && break  # SPEED=0: keep the speed files already in results/
   name=speed-cuda-$slug$(echo "$mode" | tr -d ' ' | sed 's/--/-/g')
-  "$PY" -m clients.bench.benchmark speed --device cuda $mode --out "results/$name.json" 2>&1 | tail -3
+  cases=""; [[ $mode == *compile* ]] && cases="--cases $COMPILE_CASES"
+  $stage "$PY" -m clients.bench.benchmark speed --device cuda $mode $cases --out "results/$name.json" 2>&1 | tail -3
 done
 if [ "${FULL:-0}" = 1 ]; then
-  for method in er aser-mu; do
-    "$PY" -m clients.bench.benchmark run --dataset cifar10 --data "$DATASETS/cifar10-jpeg.zip" --method "$method" \
-      --device cuda --seed 0 --quiet --out "results/gpu/$slug/$method-m1000-seed0.json" 2>&1 | tail -8
-  done
+  # the best configuration and the class-balanced ASER memory, under the options, side by side on the one GPU
+  full_run() {
+    $stage "$PY" -m clients.bench.benchmark run --dataset cifar10 --data "$DATASETS/cifar10-jpeg.zip" --method "$1" \
+      --mem-size 1000 --loss ace --iterations 2 --augment --ema 0.99 --device cuda --seed 0 --quiet \
+      --out "results/gpu/$slug/$1-ace-aug-it2-ema0.99-m1000-seed0.json" 2>&1 | tail -4
+  }
+  mkdir -p "results/gpu/$slug"
+  full_run er & full_run cb-sv-duel & wait
 fi
 "$PY" - "$slug" "$work/junit.xml" <<'PYEOF'
-import glob, json, subprocess, sys, time
+import glob, json, os, subprocess, sys, time
 import xml.etree.ElementTree as ET
 import torch
 
 slug, junit = sys.argv[1], sys.argv[2]
 cases = [{"test": c.get("classname", "") + "::" + c.get("name", ""), "seconds": float(c.get("time", 0)),
           "outcome": "failed" if c.find("failure") is not None or c.find("error") is not None
-          else "skipped" if c.find("skipped") is not None else "passed"} for c in ET.parse(junit).iter("testcase")]
+          else "skipped" if c.find("skipped") is not None else "passed"}
+         for c in (ET.parse(junit).iter("testcase") if os.path.exists(junit) else [])]  # none: the stage ran out
 count = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
 speed = {p: json.load(open(p)) for p in sorted(glob.glob(f"results/speed-cuda-{slug}*.json"))}
 full = {p: {k: json.load(open(p))[k] for k in ("method", "average_accuracy", "train_seconds", "steps")}

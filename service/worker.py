@@ -89,12 +89,13 @@ class Predictor:
         return self.probabilities(images)
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        """Class probabilities of uint8 images [n, 3, H, W], on the CPU whatever device the model is on."""
         with torch.inference_mode():
-            features = self.features(scale_pixels(images))
+            features = self.features(scale_pixels(images.to(self.head_weight.device)))
             if self.normalize:
                 features = torch.nn.functional.normalize(features, dim=1)
             logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
-            return torch.softmax(logits, dim=1)
+            return torch.softmax(logits, dim=1).cpu()
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ class Server(LocalService):
     """The service (or the replica) on a free loopback port, with small test defaults."""
 
     def __init__(self, data_dir, module="service", ready_path="/readyz", **env):
-        super().__init__(data_dir, {"ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": str(ROOT),
+        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is there
+        super().__init__(data_dir, {"ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": python_path,
                                     **{f"ASER_{k.upper()}": str(v) for k, v in env.items()}},
                          module=module, ready_path=ready_path)
 
