@@ -174,12 +174,12 @@ def buffer_rows_by_class(data_dir) -> dict[str, int]:
     return dict(rows)
 
 
-# the service's default method, and the class-balanced KNN-SV memory under the stronger learner's options
-# (issue 36's candidate for the default)
-METHODS = [{}, {"method": "cb-sv-duel", "loss": "ace", "augment": "true", "iterations": 2}]
+# the service's default (the class-balanced KNN-SV memory under the stronger learner's options), and the previous
+# default's ASER update (sv-upd + ACE + EMA), which data directories made before it go on with
+METHODS = [{}, {"method": "sv-upd"}]
 
 
-@pytest.mark.parametrize("settings", METHODS, ids=["default", "cb-sv-duel"])
+@pytest.mark.parametrize("settings", METHODS, ids=["default", "sv-upd"])
 def test_graceful_restart_resumes_the_same_model(tmp_path, jpegs, settings):
     s = Server(tmp_path, batch_size=5, **settings).start()
     try:
@@ -202,7 +202,7 @@ def test_graceful_restart_resumes_the_same_model(tmp_path, jpegs, settings):
         s.stop()
 
 
-@pytest.mark.parametrize("settings", METHODS, ids=["default", "cb-sv-duel"])
+@pytest.mark.parametrize("settings", METHODS, ids=["default", "sv-upd"])
 def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs, settings):
     """Stream samples, SIGKILL the process at random moments, restart each time: every
     acknowledged sample is trained on exactly once in the lineage (the count trained equals
@@ -230,8 +230,8 @@ def test_sigkill_loses_no_acknowledged_sample(tmp_path, jpegs, settings):
         st = wait_trained(s, acked)
         assert st["samples_received"] == acked and st["samples_trained"] == acked and st["trained_upto"] == acked
         assert st["backlog"] == 0
-        assert st["method"] == settings.get("method", st["method"]) and st["buffer_size"] == 50  # full: evictions ran
-        if settings:  # the class-balanced memory: two classes streamed alike hold equal shares, within one slot
+        assert st["method"] == settings.get("method", "cb-sv-duel") and st["buffer_size"] == 50  # full: evictions ran
+        if not settings:  # the class-balanced memory: two classes streamed alike hold equal shares, within one slot
             assert max(st["buffer"].values()) - min(st["buffer"].values()) <= 1, st["buffer"]
     finally:
         s.stop()

@@ -28,7 +28,7 @@ def test_help_lists_every_setting_and_starts_nothing(tmp_path):
     assert done.returncode == 0
     for name in Settings.model_fields:
         assert f"ASER_{name.upper()}" in done.stdout
-    assert "default 'sv-upd'" in done.stdout and not (tmp_path / "data").exists()
+    assert "default 'cb-sv-duel'" in done.stdout and not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize("env,names", [
@@ -62,7 +62,7 @@ def test_the_log_says_what_learns_and_where_it_resumed(tmp_path, jpegs):
     finally:
         server.stop()
     first = server.log_path.read_text()
-    assert "learner: sv-upd" in first and "M=50" in first and "a new lineage" in first
+    assert "learner: cb-sv-duel" in first and "M=50" in first and "a new lineage" in first
     assert "new class 'airplane'" in first and "new class 'frog'" in first and "snapshot 1: " in first
     server = Server(tmp_path, checkpoint_every_steps=1, batch_size=10).start()
     server.stop()

@@ -405,14 +405,15 @@ def test_a_data_directory_keeps_its_lineage_under_the_new_options(tmp_path):
 
 def test_a_data_directory_of_the_previous_default_goes_on_serving_the_average(tmp_path):
     """Made by sv-upd + ACE serving its trained weights (the default before the average earned its
-    place): the current default, nothing set, goes on with its lineage and serves the average."""
+    place) and the default until issue 36's rule 4 (sv-upd + ACE + the average): the current default, nothing set,
+    goes on with its lineage (sv-upd, one iteration, no augmentation) and serves the average."""
     import httpx
 
     from .test_online import two_classes
     from .test_service import Server, b64, wait_trained
 
     data_dir = tmp_path / "svc"
-    server = Server(data_dir, ema=0).start()
+    server = Server(data_dir, method="sv-upd", ema=0).start()
     samples = two_classes(10)
     httpx.post(f"{server.url}/samples", json={"samples": [{"label": lab, "image": b64(img)} for lab, img in samples]})
     wait_trained(server, len(samples))

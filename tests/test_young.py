@@ -24,7 +24,7 @@ def images(split: str, per_class: int) -> dict[str, list[bytes]]:
 
 def test_a_young_service_answers_the_classes_it_has_seen(tmp_path):
     train, test = images("train", 150), images("test", 40)
-    server = Server(tmp_path / "svc", mem_size=1000).start()  # the defaults: sv-upd, ACE, EMA 0.99
+    server = Server(tmp_path / "svc", mem_size=1000).start()  # the defaults: cb-sv-duel and its options
     try:
         sent = 0
         for task in range(3):

@@ -1,6 +1,6 @@
 """A young service's first tasks, in process (issue 39, item 1): three tasks of two CIFAR-10
 classes (airplane ... dog), 150 training images a class, the classes of a task interleaved, in
-batches of 10, through the service's default learner (sv-upd + ACE + a moving average 0.99,
+batches of 10, through the service's default learner until 2026-11-26 (sv-upd + ACE + a moving average 0.99,
 M=1000, a head that grows with each new class); after each task, the served model under each
 correction on the memory (`ContinualLearner.serving_from`): none (the average as it is),
 recomputed BatchNorm statistics, the fitted logit bias, both. The corrections never touch
@@ -100,7 +100,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("young", help="a young service's first three tasks: the served model under each correction")
     p.add_argument("--data", default="../shared/datasets/cifar10-jpeg.zip")
     p.add_argument("--seeds", default="0-4", help="a range (0-4) or one seed")
-    p.add_argument("--method", default="sv-upd", help="the service's default learner")
+    p.add_argument("--method", default="sv-upd", help="the learner (sv-upd: the service's default when the committed "
+                   "results/young/ were measured)")
     p.add_argument("--ema", type=float, default=0.99)
     p.add_argument("--train-per-class", type=int, default=150)
     p.add_argument("--threads", type=int, default=1)
