@@ -30,7 +30,8 @@ echo "gpu-check on $slug, data in $DATASETS"
 
 stage="timeout ${STAGE_SECONDS:-240}"
 COMPILE_CASES=${COMPILE_CASES:-default-step,bare-step,er,er-ace-aug-it2-ema,cb-sv-duel-ace-aug-it2-ema}
-ASER_TEST_DATASETS=$DATASETS $stage "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$work/junit.xml" tests/test_gpu.py \
+ASER_TEST_DATASETS=$DATASETS $stage "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$work/junit.xml" \
+  tests/test_gpu.py \
   2>&1 | tee "$work/pytest.log"
 for mode in "" "--bf16" "--bf16 --compile"; do
   [ "${SPEED:-1}" = 0 ] && break  # SPEED=0: keep the speed files already in results/

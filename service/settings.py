@@ -35,9 +35,9 @@ LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations", "distill"
 # behind a stream at 2x / 4x ER's pace lean steps add +22.3 +- 5.2 / +22.6 +- 4.9 to it and +4.6 +- 6.2 /
 # +4.9 +- 4.3 to the best configuration (3 paired seeds each).
 OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False, "distill": 0.0}
-# The class-balanced KNN-SV memory (cb-sv-duel) takes ER's options: with them it is +13.39 ± 1.92 A_T (10 paired seeds) over the previous
-# default (sv-upd + ACE + EMA) at full length, level with the best (issue 36, docs/results.md); its lean form is
-# CBRS's update, as cheap as the reservoir's.
+# The class-balanced KNN-SV memory (cb-sv-duel) takes ER's options: with them it is +13.39 ± 1.92 A_T (10 paired
+# seeds) over the previous default (sv-upd + ACE + EMA) at full length, level with the best (issue 36,
+# docs/results.md); its lean form is CBRS's update, as cheap as the reservoir's.
 ALL_OPTIONS = {**OPTIONS_OFF, "augment": True, "iterations": 2, "ema": 0.99, "lean_when_behind": True}
 TUNED_DEFAULTS = {"er": ALL_OPTIONS, "cb-sv-duel": ALL_OPTIONS,
                   "sv-upd": {**OPTIONS_OFF, "ema": 0.99, "lean_when_behind": True}}

@@ -136,6 +136,7 @@ def test_young_measures_every_correction_on_one_stream_per_seed(tmp_path, cache_
                  "--cache-dir", str(cache_dir), "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert len(r["runs"]) == 2 * 3 * 4 and r["command"].startswith("python -m clients.bench.benchmark young")
+    assert "--method cb-sv-duel --augment on --iterations 2" in r["command"]  # the service's default learner
     for row in r["runs"]:
         assert row["seen"] == 2 * row["task"] and sum(row["answers"].values()) == 40 * row["seen"]
         assert row["answered"] == sum(n > 0 for n in row["answers"].values()) and 0 <= row["accuracy"] <= 100

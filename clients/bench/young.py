@@ -1,13 +1,14 @@
 """A young service's first tasks, in process (issue 39, item 1): three tasks of two CIFAR-10
 classes (airplane ... dog), 150 training images a class, the classes of a task interleaved, in
-batches of 10, through the service's default learner until 2026-11-26 (sv-upd + ACE + a moving average 0.99,
-M=1000, a head that grows with each new class); after each task, the served model under each
+batches of 10, through a learner at M=1000 with ACE, a moving average 0.99 and a head that grows with each new
+class: by default the service's (cb-sv-duel, augmentation, 2 iterations); `--method sv-upd --augment off
+--iterations 1` the service's default until 2026-11-26, which results/young/serving-corrections.json measured; after each task, the served model under each
 correction on the memory (`ContinualLearner.serving_from`): none (the average as it is),
 recomputed BatchNorm statistics, the fitted logit bias, both. The corrections never touch
 training, so one stream per seed measures them all, paired. Per task and correction: accuracy
 on 40 test images a seen class, and how many seen classes it answers at all.
 
-    python -m clients.bench.benchmark young --seeds 0-9 --out results/young/serving-corrections.json
+    python -m clients.bench.benchmark young --seeds 0-4 --out results/young/serving-corrections-cb-sv-duel.json
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def interleaved(data, classes: list[int], per_class: int) -> tuple[torch.Tensor,
     return data.train_x[order], data.train_y[order]
 
 
-def run_seed(data, seed: int, per_class: int, method: str, ema: float) -> list[dict]:
+def run_seed(data, seed: int, per_class: int, method: str, options: dict) -> list[dict]:
     """One stream; after each task, each correction's accuracy and answered classes."""
-    learner = make_learner(method, num_classes=1, mem_size=1000, loss="ace", ema_decay=ema, seed=seed)
+    learner = make_learner(method, num_classes=1, mem_size=1000, loss="ace", seed=seed, **options)
     rows = []
     for task, classes in enumerate(TASKS):
         x, y = interleaved(data, classes, per_class)
@@ -77,8 +78,10 @@ def cmd_young(args) -> int:
     torch.set_num_threads(args.threads)
     data = load_dataset("cifar10", args.data, args.train_per_class, 40, args.cache_dir)
     started = time.time()
+    augment = {"off": False, "on": True}.get(args.augment, args.augment)
+    options = {"ema_decay": args.ema, "augment": augment, "iterations": args.iterations}
     rows = [row for seed in parse_seeds(args.seeds) for row in run_seed(data, seed, args.train_per_class,
-                                                                         args.method, args.ema)]
+                                                                         args.method, options)]
     summary = summarise(rows)
     for s in summary:
         print(f"task {s['task']} {s['correction']:<8} {s['accuracy']:5.1f}%  {s['minus_none']:+6.2f} ± "
@@ -87,7 +90,7 @@ def cmd_young(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "command": f"python -m clients.bench.benchmark young --seeds {args.seeds} --method {args.method} "
-                   f"--ema {args.ema} --train-per-class {args.train_per_class} --threads {args.threads} "
+                   f"--augment {args.augment} --iterations {args.iterations} --ema {args.ema} --train-per-class {args.train_per_class} --threads {args.threads} "
                    f"--out {args.out}",
         "seconds": round(time.time() - started, 1), "torch": torch.__version__,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, "runs": rows},
@@ -100,8 +103,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("young", help="a young service's first three tasks: the served model under each correction")
     p.add_argument("--data", default="../shared/datasets/cifar10-jpeg.zip")
     p.add_argument("--seeds", default="0-4", help="a range (0-4) or one seed")
-    p.add_argument("--method", default="sv-upd", help="the learner (sv-upd: the service's default when the committed "
-                   "results/young/ were measured)")
+    p.add_argument("--method", default="cb-sv-duel", help="the learner (default: the service's)")
+    p.add_argument("--augment", choices=["off", "on", "strong"], default="on", help="the replay methods' augmentation")
+    p.add_argument("--iterations", type=int, default=2, help="the replay methods' SGD steps per batch")
     p.add_argument("--ema", type=float, default=0.99)
     p.add_argument("--train-per-class", type=int, default=150)
     p.add_argument("--threads", type=int, default=1)
