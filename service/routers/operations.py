@@ -98,7 +98,7 @@ class Status(BaseModel):
                                   "step (false for a moment after training, until the idle worker refits them)")
     last_step_ms: float
     method: str
-    config: dict[str, float | int | str]
+    config: dict[str, bool | int | float | str]
     worker: WorkerHealth
     error: str | None = Field(description="why the worker thread ended, if it did")
     device: str
