@@ -81,8 +81,8 @@ OPTION_CASES = {
     "er-ace-aug-it2-ema-kd1": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99,
                                       "distill": 1.0}),
     "er-ace-aug-it3-ema": ("er", {"loss": "ace", "augment": True, "iterations": 3, "ema_decay": 0.99}),
-    "er-ace-aug-it2-ema-rb20": ("er", {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99,
-                                       "replay_batch": 20}),
+    **{f"{m}-ace-aug-it2-ema-rb20": (m, {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99,
+                                          "replay_batch": 20}) for m in ("er", "cb-sv-duel")},
 }
 
 
