@@ -2,10 +2,10 @@
 classes (airplane ... dog), 150 training images a class, the classes of a task interleaved, in
 batches of 10, through a learner at M=1000 with ACE, a moving average 0.99 and a head that grows with each new
 class: by default the service's (cb-sv-duel, augmentation, 2 iterations); `--method sv-upd --augment off
---iterations 1` the service's default until 2026-11-26, which results/young/serving-corrections.json measured; after each task, the served model under each
-correction on the memory (`ContinualLearner.serving_from`): none (the average as it is),
-recomputed BatchNorm statistics, the fitted logit bias, both. The corrections never touch
-training, so one stream per seed measures them all, paired. Per task and correction: accuracy
+--iterations 1` the service's default until 2026-11-26, which results/young/serving-corrections.json measured.
+After each task, the served model under each correction on the memory (`ContinualLearner.serving_from`):
+none (the average as it is), recomputed BatchNorm statistics, the fitted logit bias, both. The corrections
+never touch training, so one stream per seed measures them all, paired. Per task and correction: accuracy
 on 40 test images a seen class, and how many seen classes it answers at all.
 
     python -m clients.bench.benchmark young --seeds 0-4 --out results/young/serving-corrections-cb-sv-duel.json
@@ -90,7 +90,8 @@ def cmd_young(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "command": f"python -m clients.bench.benchmark young --seeds {args.seeds} --method {args.method} "
-                   f"--augment {args.augment} --iterations {args.iterations} --ema {args.ema} --train-per-class {args.train_per_class} --threads {args.threads} "
+                   f"--augment {args.augment} --iterations {args.iterations} --ema {args.ema} "
+                   f"--train-per-class {args.train_per_class} --threads {args.threads} "
                    f"--out {args.out}",
         "seconds": round(time.time() - started, 1), "torch": torch.__version__,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, "runs": rows},
