@@ -104,7 +104,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("young", help="a young service's first three tasks: the served model under each correction")
     p.add_argument("--data", default="../shared/datasets/cifar10-jpeg.zip")
     p.add_argument("--seeds", default="0-4", help="a range (0-4) or one seed")
-    p.add_argument("--method", default="cb-sv-duel", help="the learner (default: the service's)")
+    p.add_argument("--method", default="cb-sv-duel", help="the learner (default: the service's since 2026-11-26; "
+                   "clients do not import service/, so a change of the service's default is made here too)")
     p.add_argument("--augment", choices=["off", "on", "strong"], default="on", help="the replay methods' augmentation")
     p.add_argument("--iterations", type=int, default=2, help="the replay methods' SGD steps per batch")
     p.add_argument("--ema", type=float, default=0.99)
