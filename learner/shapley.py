@@ -12,6 +12,7 @@ tensor([[ 0.8333, -0.1667,  0.3333]])
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,6 +22,25 @@ def pairwise_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ms), the bulk of a KNN-SV valuation. Points closer than float rounding may order either
     way; exact ties of small integer coordinates stay exact."""
     return torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist")
+
+
+def order_by_distance(dist: torch.Tensor) -> torch.Tensor:
+    """Each row's column indices by ascending distance, ties by the lower index: the indices of
+    `torch.sort(dist, dim=1, stable=True)`. On the CPU in float32 it sorts one int64 key a column
+    instead (the distance's bits, in order for non-negative floats, above the column's index) with
+    numpy's sort: 3 against 15 ms for torch's stable sort at 500 x 500 on one thread, most of a
+    KNN-SV valuation; the order is the same, so the values are too.
+
+    >>> order_by_distance(torch.tensor([[2.0, 0.0, 2.0, 1.0]]))
+    tensor([[1, 3, 0, 2]])
+    """
+    n = dist.shape[-1]
+    if dist.device.type != "cpu" or dist.dtype != torch.float32 or dist.dim() != 2 or n < 2 or (dist < 0).any():
+        return torch.sort(dist, dim=1, stable=True).indices
+    index_bits = (n - 1).bit_length()
+    bits = (dist + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into 0.0, which ties with it
+    keys = np.sort(((bits << index_bits) | torch.arange(n)).numpy(), axis=1)
+    return torch.from_numpy(keys & ((1 << index_bits) - 1))
 
 
 def knn_shapley(
@@ -44,7 +64,7 @@ def knn_shapley(
     if n_eval == 0 or n_cand == 0:
         return torch.zeros(n_eval, n_cand, dtype=dtype, device=eval_feats.device)
     dist = pairwise_distances(eval_feats.to(dtype), cand_feats.to(dtype))
-    order = torch.sort(dist, dim=1, stable=True).indices  # alpha_1..alpha_N per eval point
+    order = order_by_distance(dist)  # alpha_1..alpha_N per eval point
     match = (cand_labels[order] == eval_labels[:, None]).to(dtype)
 
     # increments[m] = s(alpha_m) - s(alpha_{m+1}) of eq. (4), m = 1..N-1 (1-based);

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from learner import knn_shapley
+from learner.shapley import order_by_distance
 
 
 def shapley_by_enumeration(ev, ev_y, cand, cand_y, k):
@@ -31,8 +32,9 @@ def shapley_by_enumeration(ev, ev_y, cand, cand_y, k):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32 on the CPU: the int64-key sort
 @pytest.mark.parametrize("seed", range(12))
-def test_matches_enumeration_on_random_sets(seed):
+def test_matches_enumeration_on_random_sets(seed, dtype):
     g = torch.Generator().manual_seed(seed)
     n_cand = int(torch.randint(1, 8, (1,), generator=g))
     n_eval = int(torch.randint(1, 5, (1,), generator=g))
@@ -42,7 +44,19 @@ def test_matches_enumeration_on_random_sets(seed):
     cand_y = torch.randint(0, 3, (n_cand,), generator=g)
     ev_y = torch.randint(0, 3, (n_eval,), generator=g)
     expected = shapley_by_enumeration(ev, ev_y, cand, cand_y, k)
-    assert torch.allclose(knn_shapley(ev, ev_y, cand, cand_y, k), expected, atol=1e-12)
+    got = knn_shapley(ev.to(dtype), ev_y, cand.to(dtype), cand_y, k)
+    assert torch.allclose(got.double(), expected, atol=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fast_order_is_torchs_stable_sort(seed):
+    g = torch.Generator().manual_seed(seed)
+    dist = torch.randint(0, 6, (64, 300), generator=g).float() / 4  # many exact ties, zeros among them
+    dist[0, :7] = -0.0  # ties with 0.0 as torch.sort has it
+    dist[1, 5] = float("inf")
+    assert torch.equal(order_by_distance(dist), torch.sort(dist, dim=1, stable=True).indices)
+    real = torch.cdist(torch.randn(50, 8, generator=g), torch.randn(400, 8, generator=g))
+    assert torch.equal(order_by_distance(real), torch.sort(real, dim=1, stable=True).indices)
 
 
 def test_ties_are_broken_by_candidate_index():
