@@ -130,7 +130,7 @@ class ClassBalancedUpdate(MemoryUpdate):
         """Whether a sample of a largest class enters (CBRS's m_c / n_c, or `compete`'s values)."""
         if self.victim == "compete":
             members = _members(c, held, written)
-            return bool(values.incoming()[i] > values.memory()[members].min())
+            return bool(values.incoming()[i] > values.memory(members).min())
         odds = counts[c].item() / max(self.seen.get(c, 0), 1)
         return torch.rand((), generator=ctx.generator, dtype=torch.float64).item() < odds
 
@@ -142,7 +142,7 @@ class ClassBalancedUpdate(MemoryUpdate):
             return int(members[_most_redundant(values.features()[members])])
         if self.victim == "duel" and members.numel() > 2:
             members = members[torch.randperm(members.numel(), generator=ctx.generator)[:2]]
-        return int(members[values.memory()[members].argmin()])
+        return int(members[values.memory(members).argmin()])
 
 
 def _members(c: int, held: torch.Tensor, written: dict) -> torch.Tensor:
@@ -167,48 +167,59 @@ def _most_redundant(feats: torch.Tensor) -> int:
 
 
 class _Values:
-    """The memory's features and KNN-SVs for one batch's update, computed on first use."""
+    """The memory's features and KNN-SVs for one batch's update, computed on first use: each half's
+    values only once one of its slots is asked for (a duel's two members often share a half)."""
 
     def __init__(self, policy: ClassBalancedUpdate, buffer: ReplayBuffer, images: torch.Tensor,
                  labels: torch.Tensor, ctx: StepContext):
         self.policy, self.buffer, self.images, self.labels, self.ctx = policy, buffer, images, labels, ctx
-        self._features = self._memory = self._incoming = None
+        self._features = self._halves = self._perm = self._memory = self._new = None
+        self._incoming: dict[int, torch.Tensor] = {}  # half -> its incoming samples' values, once valued
 
     def features(self) -> torch.Tensor:
         if self._features is None:
             self._features = refresh_stale(self.buffer, self.ctx.latent, self.policy.max_age)
         return self._features
 
-    def memory(self) -> torch.Tensor:
-        if self._memory is None:
-            self._value()
-        return self._memory
+    def memory(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KNN-SVs of `slots` (CPU indices into the memory)."""
+        for h in torch.unique(self._split()[slots]).tolist():
+            if h not in self._incoming:
+                self._value(h)
+        return self._memory[slots]
 
     def incoming(self) -> torch.Tensor:
-        if self._incoming is None:
-            self._value()
-        return self._incoming
+        """The incoming samples' KNN-SVs: the mean of their values in the two halves."""
+        for h in (0, 1):
+            if h not in self._incoming:
+                self._value(h)
+        return (self._incoming[0] + self._incoming[1]) / 2
 
-    def _value(self) -> None:
+    def _split(self) -> torch.Tensor:
+        """Which half each slot is in (0 or 1): a random half is valued against the other half."""
+        if self._halves is None:
+            n = self.features().shape[0]
+            perm = torch.randperm(n, generator=self.ctx.generator)
+            self._halves = torch.zeros(n, dtype=torch.long)
+            self._halves[perm[n // 2:]] = 1
+            self._perm = perm.to(self._features.device)
+            self._memory = torch.zeros(n, dtype=self._features.dtype)
+        return self._halves
+
+    def _value(self, h: int) -> None:
+        """Half h's KNN-SVs against the other half (eq. (3)-(4), summed over evaluation points)."""
+        self._split()
         feats, labels = self.features(), self.buffer.labels[: self.buffer.size]
         n = feats.shape[0]
-        half = torch.randperm(n, generator=self.ctx.generator).to(feats.device)
-        a, b = half[: n // 2], half[n // 2:]
-        new_feats = new_labels = None
+        cand, ev = (self._perm[: n // 2], self._perm[n // 2:])[:: 1 - 2 * h]
+        cf, cy = feats[cand], labels[cand]
         if self.policy.victim == "compete":
-            new_feats = self.ctx.latent.extract(self.images).to(feats.dtype)
-            new_labels = self.labels.to(feats.device)
-        memory = torch.zeros(n, dtype=feats.dtype, device=feats.device)
-        incoming = []
-        for cand, ev in ((a, b), (b, a)):
-            cf, cy = feats[cand], labels[cand]
-            if new_feats is not None:
-                cf, cy = torch.cat([cf, new_feats]), torch.cat([cy, new_labels])
-            v = knn_shapley(feats[ev], labels[ev], cf, cy, self.policy.k).sum(0)
-            memory[cand] = v[: cand.numel()]
-            incoming.append(v[cand.numel():])
-        self._memory = memory.cpu()
-        self._incoming = (incoming[0] + incoming[1]).cpu() / 2 if new_feats is not None else torch.zeros(0)
+            if self._new is None:
+                self._new = (self.ctx.latent.extract(self.images).to(feats.dtype), self.labels.to(feats.device))
+            cf, cy = torch.cat([cf, self._new[0]]), torch.cat([cy, self._new[1]])
+        v = knn_shapley(feats[ev], labels[ev], cf, cy, self.policy.k).sum(0).cpu()
+        self._memory[cand.cpu()] = v[: cand.numel()]
+        self._incoming[h] = v[cand.numel():]
 
 
 def refresh_stale(buffer: ReplayBuffer, latent, max_age: int) -> torch.Tensor:
