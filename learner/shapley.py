@@ -65,7 +65,8 @@ def knn_shapley(
         return torch.zeros(n_eval, n_cand, dtype=dtype, device=eval_feats.device)
     dist = pairwise_distances(eval_feats.to(dtype), cand_feats.to(dtype))
     order = order_by_distance(dist)  # alpha_1..alpha_N per eval point
-    match = (torch.gather(cand_labels.expand(n_eval, -1), 1, order) == eval_labels[:, None]).to(dtype)
+    labels_by_rank = torch.gather(cand_labels.to(order.device).expand(n_eval, -1), 1, order)
+    match = (labels_by_rank == eval_labels.to(order.device)[:, None]).to(dtype)
 
     # increments[m] = s(alpha_m) - s(alpha_{m+1}) of eq. (4), m = 1..N-1 (1-based);
     # the last entry is the base case eq. (3). Eq. (3) reads 1[y]/N, which assumes N >= K;
