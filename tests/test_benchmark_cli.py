@@ -3,8 +3,11 @@
 import json
 
 import pytest
+import torch
 
 from clients.bench.benchmark import main
+from clients.bench.speed import _learner_step
+from learner.methods import PAPER_SETTINGS
 
 from .conftest import CIFAR10_ZIP
 
@@ -53,6 +56,24 @@ def test_speed_times_the_cases_asked_for_round_by_round(tmp_path, capsys):
     assert r["command"].endswith("--cases er,cbrs-ace-aug-it2-ema")
     assert main(["speed", "--rounds", "1", "--cases", "er,warp-drive", "--out", str(out)]) == 2
     assert "unknown cases warp-drive" in capsys.readouterr().err
+
+
+def test_speed_prices_a_step_on_mini_imagenet_shapes(tmp_path):
+    """--dataset: the steps run on that stream's 84x84 images of 100 classes (a learner built for
+    CIFAR-10's 32x32 refuses them), and the record says which stream it priced."""
+    out = tmp_path / "speed.json"
+    assert main(["speed", "--dataset", "mini-imagenet", "--rounds", "1", "--warmup", "0", "--threads", "1",
+                 "--cases", "bare-step,er", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["dataset"] == "mini-imagenet" and " --dataset mini-imagenet " in r["command"]
+    assert set(r["cases"]) == {"bare-step", "er"}
+    images = torch.randint(0, 256, (1030, 3, 84, 84), dtype=torch.uint8)
+    step = _learner_step("cb-aser", device=torch.device("cpu"), images=images, labels=torch.arange(1030) % 100,
+                         autocast_dtype=None, mem_size=1000, dataset="mini-imagenet")
+    step()
+    learner = step.learner
+    assert learner.image_shape == (3, 84, 84) and learner.num_classes == 100 and len(learner.buffer) == 1000
+    assert learner.update_policy.k == PAPER_SETTINGS["mini-imagenet"].aser[0] == 7  # CIFAR-10's is 3
 
 
 def test_missing_data_path_is_a_clear_error(tmp_path, capsys):

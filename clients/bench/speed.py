@@ -19,8 +19,12 @@ machine hits every case alike (ratios are what count):
   average corrected on a full memory, its BatchNorm statistics or its logit bias (samples/s:
   memory images a second).
 
+`--dataset mini-imagenet` prices the same cases on that stream's shapes (84x84 images, 100
+classes, the paper's K and N_c for it): what a run there costs before it is started.
+
     python -m clients.bench.benchmark speed --out results/speed-cpu.json
     python -m clients.bench.benchmark speed --threads 1 --rounds 100 --cases er,cb-sv-duel-ace-aug-it2-ema
+    python -m clients.bench.benchmark speed --dataset mini-imagenet --threads 1 --rounds 20 --cases er,er-ace
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from learner.base import training_channels_last
 from learner.model import ReducedResNet18
 
 
-def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool = False):
-    model = ReducedResNet18(10).to(device)
+def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool = False, num_classes: int = 10):
+    model = ReducedResNet18(num_classes, input_size=x.shape[-1]).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -90,10 +94,16 @@ BEST = "er-ace-aug-it2-ema"  # today's best configuration, what the options are 
 DUEL = "cb-sv-duel-ace-aug-it2-ema"  # the balanced ASER memory with random retrieval, what ASV is priced against
 
 
+# the streams a step can be priced on: dataset -> (image shape, classes)
+STREAM_SHAPES = {"cifar10": ((3, 32, 32), 10), "mini-imagenet": ((3, 84, 84), 100)}
+
+
 def _learner_step(method: str, *, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
-                  latent_dtype=None, **options):
-    learner = make_learner(method, num_classes=10, mem_size=mem_size, dataset="cifar10", device=device, seed=0,
-                           autocast_dtype=autocast_dtype, latent_dtype=latent_dtype, compile=compile, **options)
+                  latent_dtype=None, dataset: str = "cifar10", **options):
+    num_classes = STREAM_SHAPES[dataset][1]
+    learner = make_learner(method, num_classes=num_classes, mem_size=mem_size, dataset=dataset, device=device,
+                           seed=0, image_shape=tuple(images.shape[1:]), autocast_dtype=autocast_dtype,
+                           latent_dtype=latent_dtype, compile=compile, **options)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     learner.buffer.n_seen = 10 * mem_size  # a stream well past the memory size
     if (seen := getattr(learner.update_policy, "seen", None)) is not None:  # the class-balanced memories' n_c
@@ -105,23 +115,26 @@ def _learner_step(method: str, *, device, images, labels, autocast_dtype, mem_si
         learner.observe(images[i:i + 10], labels[i:i + 10])
         state["i"] = i + 10
 
+    step.learner = learner  # what it times, for whoever checks what was built
     return step
 
 
-def _serving_refresh(device, images, labels, mem_size: int, **correction):
+def _serving_refresh(device, images, labels, mem_size: int, num_classes: int = 10, **correction):
     """Correcting the served average on a full memory (`ContinualLearner.refresh_serving`)."""
-    learner = make_learner("er", num_classes=10, mem_size=mem_size, device=device, seed=0, ema_decay=0.99,
-                           **correction)
+    learner = make_learner("er", num_classes=num_classes, mem_size=mem_size, device=device, seed=0, ema_decay=0.99,
+                           image_shape=tuple(images.shape[1:]), **correction)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
     return learner.refresh_serving
 
 
 def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile: bool = False,
-            mem_size: int = 1000, bf16_latent: bool = False, only: list[str] | None = None) -> dict:
+            mem_size: int = 1000, bf16_latent: bool = False, only: list[str] | None = None,
+            dataset: str = "cifar10") -> dict:
     """Median and mean ms of each case (all, or those named in `only`), timed round by round."""
     g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (mem_size + 2000, 3, 32, 32), dtype=torch.uint8, generator=g)
-    labels = torch.randint(0, 10, (mem_size + 2000,), generator=g)
+    shape, num_classes = STREAM_SHAPES[dataset]
+    images = torch.randint(0, 256, (mem_size + 2000, *shape), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, num_classes, (mem_size + 2000,), generator=g)
     x20 = (images[:20].float() / 255).to(device)
     y20 = labels[:20].to(device)
     dtype = torch.bfloat16 if bf16 else None
@@ -129,16 +142,18 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     step = partial(_learner_step, device=device, images=images, labels=labels, autocast_dtype=dtype,
-                   mem_size=mem_size, compile=compile, latent_dtype=latent)
-    refresh = partial(_serving_refresh, device, images, labels, mem_size)
+                   mem_size=mem_size, compile=compile, latent_dtype=latent, dataset=dataset)
+    refresh = partial(_serving_refresh, device, images, labels, mem_size, num_classes)
+    bare = partial(_bare_step, device=device, x=x20, y=y20, num_classes=num_classes)
     # name -> (what builds the timed callable, samples it handles): only the cases asked for are built
     builders = {
-        "default-step": (lambda: _bare_step(False, None, device, x20, y20), 20),
-        "bare-step": (lambda: _bare_step(training_channels_last(device, dtype), dtype, device, x20, y20, compile), 20),
+        "default-step": (lambda: bare(False, None), 20),
+        "bare-step": (lambda: bare(training_channels_last(device, dtype), dtype, compile=compile), 20),
         **{name: (partial(step, name), 10) for name in ("er", "aser", "aser-mu", "mir")},
         **{name: (partial(step, method, **options), 10) for name, (method, options) in OPTION_CASES.items()},
-        "inference-100": (lambda: partial(make_learner("er", num_classes=10, mem_size=0, device=device,
-                                                       autocast_dtype=dtype).logits, images[:100]), 100),
+        "inference-100": (lambda: partial(make_learner("er", num_classes=num_classes, mem_size=0, device=device,
+                                                       image_shape=shape, autocast_dtype=dtype).logits,
+                                          images[:100]), 100),
         "serving-bn-refresh": (partial(refresh, serving_bn="memory"), mem_size),
         "serving-bias-refresh": (partial(refresh, serving_bias=True), mem_size),
     }
@@ -190,12 +205,13 @@ def cmd_speed(args) -> int:
     only = args.cases.split(",") if args.cases else None
     try:
         cases = measure(device, args.rounds, args.warmup, args.bf16, args.compile, bf16_latent=args.bf16_latent,
-                        only=only)
+                        only=only, dataset=args.dataset)
     except ValueError as exc:  # an unknown case name
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = {
         "device": str(device),
+        "dataset": args.dataset,
         "machine": machine_description(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -207,6 +223,7 @@ def cmd_speed(args) -> int:
         "ratios": ratios(cases),
         "allocator": {k: v for k, v in os.environ.items() if k in ALLOCATOR_ENV},  # the C heap's settings
         "command": f"python -m clients.bench.benchmark speed --device {args.device} --rounds {args.rounds}"
+                   f"{f' --dataset {args.dataset}' if args.dataset != 'cifar10' else ''}"
                    f"{' --bf16' if args.bf16 else ''}{' --bf16-latent' if args.bf16_latent else ''}"
                    f"{' --compile' if args.compile else ''}"
                    f"{f' --threads {args.threads}' if args.threads else ''}"
@@ -218,7 +235,7 @@ def cmd_speed(args) -> int:
         print(f"{name:<{width}}  {c['median_ms']:8.2f} ms  {c['samples_per_s']:9.1f} samples/s")
     for name, value in result["ratios"].items():
         print(f"{name}: {value}")
-    suffix = ("-bf16" if args.bf16 else "") + ("-bf16-latent" if args.bf16_latent else "") + \
+    suffix = (f"-{args.dataset}" if args.dataset != "cifar10" else "") + ("-bf16" if args.bf16 else "") + ("-bf16-latent" if args.bf16_latent else "") + \
         ("-compile" if args.compile else "")
     out = Path(args.out or f".cache/bench/speed-{device.type}{suffix}.json")  # results/ only when named
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +247,8 @@ def cmd_speed(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("speed", help="median ms per step of the hot paths, written to --out (default .cache/bench/speed-<device>.json)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dataset", choices=sorted(STREAM_SHAPES), default="cifar10",
+                   help="the stream whose shapes the steps run on (images, classes, the paper's K and N_c)")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the learner's steps")
