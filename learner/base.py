@@ -293,6 +293,15 @@ class ContinualLearner:
     def predict(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
         return self.logits(images, batch_size, serving).argmax(1)
 
+    def predict_features(self, features: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """The serving head's answers on `serving_features` of some images: what `predict` answers
+        on those images, without a second pass through the network (the head runs on the same
+        chunks), so one feature pass serves several heads (an evaluation's corrections)."""
+        head = self.serving_model.head
+        with torch.inference_mode():
+            answers = [head(chunk.to(self.device)).argmax(1) for chunk in features.split(batch_size)]
+        return torch.cat(answers) if answers else torch.zeros(0, dtype=torch.long, device=self.device)
+
     def _eval_map(self, fn, images: torch.Tensor, batch_size: int) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()

@@ -145,6 +145,36 @@ def test_the_logit_bias_is_the_one_fitted_on_the_memorys_logits(cifar10_slice):
     assert balanced_accuracy(learner.logits(memory)) >= balanced_accuracy(before)
 
 
+@pytest.mark.parametrize("serving", [{}, {"serving_bn": "memory", "serving_bias": True}])
+def test_an_evaluation_answers_on_shared_features_as_each_correction_does_alone(cifar10_slice, serving):
+    """The benchmark's evaluation takes one feature pass for the head, the NCM and the other bias:
+    each answers exactly as a whole pass of its own over the images."""
+    from clients.bench.benchmark import evaluate
+    from learner.ncm import memory_ncm
+
+    learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, seed=0, **serving)
+    x, y = mixed(cifar10_slice, 300)
+    for i in range(0, 300, 10):
+        learner.observe(x[i:i + 10], y[i:i + 10])
+    tasks = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    got = evaluate(learner, cifar10_slice, tasks)
+
+    test = [cifar10_slice.test_y.unsqueeze(1).eq(torch.tensor(t)).any(1) for t in tasks]
+    sets = [(cifar10_slice.test_x[m], cifar10_slice.test_y[m]) for m in test]
+
+    def accuracy(predict):
+        return [100.0 * float((predict(xs).cpu() == ys).float().mean()) for xs, ys in sets]
+
+    ncm = memory_ncm(learner)
+    assert got["head"] == accuracy(learner.predict)
+    assert got["ncm"] == accuracy(lambda xs: ncm.predict(learner.serving_features(xs)))
+    other_bias = "bias_none" if learner.serving_bias else "bias_memory"
+    with learner.serving_from(bias=not learner.serving_bias):
+        assert got[other_bias] == accuracy(learner.predict)
+        assert got[other_bias] != got["head"]  # the bias changes answers: the check can tell the two apart
+    assert got["trained"] == accuracy(lambda xs: learner.predict(xs, serving=False))
+
+
 @pytest.mark.parametrize("correction", [{"serving_bn": "memory"}, {"serving_bias": True}])
 def test_an_onnx_snapshot_carries_the_corrections(cifar10_slice, tmp_path, correction):
     from clients.onnx_client import OnnxClassifier

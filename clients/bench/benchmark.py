@@ -53,24 +53,28 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, l
     with a memory the serving head under the other corrections on the memory, one at a time
     (`ContinualLearner.refresh_serving`): "bn_memory" or "bn_average" (the other BatchNorm
     statistics), "bias_memory" or "bias_none" (with or without the fitted logit bias), so that
-    every run pairs them."""
+    every run pairs them. The head, the NCM and the other bias answer on one pass of serving
+    features (the bias moves no feature); the trained weights and the other statistics take one each."""
     learner.refresh_serving()  # an evaluation point
     ncm = memory_ncm(learner)
     out: dict[str, list[float]] = {"head": [], **({"ncm": []} if ncm else {}),
                                    **({"trained": []} if learner.ema is not None else {})}
     test_sets = [task_test_set(data, classes) for classes in tasks]
-    for x, y in test_sets:
-        out["head"].append(percent_correct(learner.predict(x).cpu(), y))
+    features = [learner.serving_features(x) for x, _ in test_sets]
+    for (x, y), f in zip(test_sets, features):
+        out["head"].append(percent_correct(learner.predict_features(f).cpu(), y))
         if ncm is not None:
-            out["ncm"].append(percent_correct(ncm.predict(learner.serving_features(x)).cpu(), y))
+            out["ncm"].append(percent_correct(ncm.predict(f).cpu(), y))
         if learner.ema is not None:
             out["trained"].append(percent_correct(learner.predict(x, serving=False).cpu(), y))
     if len(getattr(learner, "buffer", ())):
         other_bn = "average" if learner.serving_bn == "memory" else "memory"
+        with learner.serving_from(bn=other_bn):
+            out[f"bn_{other_bn}"] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
         other_bias = "bias_none" if learner.serving_bias else "bias_memory"
-        for name, change in ((f"bn_{other_bn}", {"bn": other_bn}), (other_bias, {"bias": not learner.serving_bias})):
-            with learner.serving_from(**change):
-                out[name] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
+        with learner.serving_from(bias=not learner.serving_bias):
+            out[other_bias] = [percent_correct(learner.predict_features(f).cpu(), y)
+                               for f, (_, y) in zip(features, test_sets)]
     return out
 
 
