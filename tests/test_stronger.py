@@ -150,6 +150,7 @@ def test_an_evaluation_answers_on_shared_features_as_each_correction_does_alone(
     """The benchmark's evaluation takes one feature pass for the head, the NCM and the other bias:
     each answers exactly as a whole pass of its own over the images."""
     from clients.bench.benchmark import evaluate
+    from learner.data import task_test_set
     from learner.ncm import memory_ncm
 
     learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, seed=0, **serving)
@@ -159,8 +160,7 @@ def test_an_evaluation_answers_on_shared_features_as_each_correction_does_alone(
     tasks = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     got = evaluate(learner, cifar10_slice, tasks)
 
-    test = [cifar10_slice.test_y.unsqueeze(1).eq(torch.tensor(t)).any(1) for t in tasks]
-    sets = [(cifar10_slice.test_x[m], cifar10_slice.test_y[m]) for m in test]
+    sets = [task_test_set(cifar10_slice, classes) for classes in tasks]
 
     def accuracy(predict):
         return [100.0 * float((predict(xs).cpu() == ys).float().mean()) for xs, ys in sets]

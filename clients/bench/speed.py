@@ -42,6 +42,7 @@ from torch.nn import functional as F
 
 from learner import make_learner
 from learner.base import training_channels_last
+from learner.data import CLASSES
 from learner.model import ReducedResNet18
 
 
@@ -94,14 +95,13 @@ BEST = "er-ace-aug-it2-ema"  # today's best configuration, what the options are 
 DUEL = "cb-sv-duel-ace-aug-it2-ema"  # the balanced ASER memory with random retrieval, what ASV is priced against
 
 
-# the streams a step can be priced on: dataset -> (image shape, classes)
-STREAM_SHAPES = {"cifar10": ((3, 32, 32), 10), "mini-imagenet": ((3, 84, 84), 100)}
+# the streams a step can be priced on: dataset -> its images' side (its classes: `learner.data.CLASSES`)
+IMAGE_SIDES = {"cifar10": 32, "mini-imagenet": 84}
 
 
 def _learner_step(method: str, *, device, images, labels, autocast_dtype, mem_size: int, compile: bool = False,
                   latent_dtype=None, dataset: str = "cifar10", **options):
-    num_classes = STREAM_SHAPES[dataset][1]
-    learner = make_learner(method, num_classes=num_classes, mem_size=mem_size, dataset=dataset, device=device,
+    learner = make_learner(method, num_classes=CLASSES[dataset], mem_size=mem_size, dataset=dataset, device=device,
                            seed=0, image_shape=tuple(images.shape[1:]), autocast_dtype=autocast_dtype,
                            latent_dtype=latent_dtype, compile=compile, **options)
     learner.buffer.append(images[:mem_size], labels[:mem_size])
@@ -132,7 +132,7 @@ def measure(device: torch.device, rounds: int, warmup: int, bf16: bool, compile:
             dataset: str = "cifar10") -> dict:
     """Median and mean ms of each case (all, or those named in `only`), timed round by round."""
     g = torch.Generator().manual_seed(0)
-    shape, num_classes = STREAM_SHAPES[dataset]
+    shape, num_classes = (3, IMAGE_SIDES[dataset], IMAGE_SIDES[dataset]), CLASSES[dataset]
     images = torch.randint(0, 256, (mem_size + 2000, *shape), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, num_classes, (mem_size + 2000,), generator=g)
     x20 = (images[:20].float() / 255).to(device)
@@ -247,7 +247,7 @@ def cmd_speed(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("speed", help="median ms per step of the hot paths, written to --out (default .cache/bench/speed-<device>.json)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dataset", choices=sorted(STREAM_SHAPES), default="cifar10",
+    p.add_argument("--dataset", choices=sorted(IMAGE_SIDES), default="cifar10",
                    help="the stream whose shapes the steps run on (images, classes, the paper's K and N_c)")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
