@@ -210,11 +210,10 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
             vs = [v for v in map(value, rs) if v is not None]
             return fmt(vs) + (f" (n={len(vs)})" if vs and len(vs) < len(rs) else "")
 
-        secs = sum(r["train_seconds"] for r in rs) / len(rs)
         cells = [cell(value) for _, value in columns]
         if paper:
             cells.insert(1, paper_value(paper, dataset, mem, label) or "-")
-        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {' | '.join(cells)} | {secs:.0f} |")
+        lines.append(f"| {dataset} | {mem or '-'} | {label} | {len(rs)} | {' | '.join(cells)} | {seconds_cell(rs)} |")
     note = ("Mean ± 95% CI (t-interval) over seeds; fitted bias: the same runs served with a logit bias per class "
             "fitted on the memory (ASER_SERVING_BIAS, the service's default); NCM: nearest class mean on the memory; "
             "new-task acc.: accuracy "
@@ -262,15 +261,41 @@ def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -
     return out
 
 
+def device_kind(run: dict) -> str:
+    """cpu or cuda: what a run's seconds were spent on (records older than the field ran on the CPU)."""
+    return run.get("device", "cpu").split(":")[0]
+
+
+def seconds_cell(rs: list[dict]) -> str:
+    """Mean training seconds, split by device where the runs used several (a GPU second is not a CPU second).
+
+    >>> seconds_cell([{"train_seconds": 100.0}, {"train_seconds": 300.0}])
+    '200'
+    >>> seconds_cell([{"train_seconds": 1500.0}, {"train_seconds": 300.0, "device": "cuda"}])
+    '1500 (cpu, 1); 300 (cuda, 1)'
+    >>> seconds_cell([{"train_seconds": 300.0, "device": "cuda:0"}])
+    '300 (cuda, 1)'
+    """
+    by_device: dict[str, list[float]] = {}
+    for r in rs:
+        by_device.setdefault(device_kind(r), []).append(r["train_seconds"])
+    if list(by_device) == ["cpu"]:
+        return f"{sum(by_device['cpu']) / len(rs):.0f}"
+    return "; ".join(f"{sum(v) / len(v):.0f} ({d}, {len(v)})" for d, v in sorted(by_device.items()))
+
+
 def compute_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
-    """B's mean training seconds over A's, over the seeds both ran: what B's difference costs.
+    """B's mean training seconds over A's, over the seeds both ran on one kind of device: what B's difference costs.
 
     >>> compute_ratio([{"seed": 0, "train_seconds": 100.0}, {"seed": 1, "train_seconds": 300.0}],
     ...               [{"seed": 1, "train_seconds": 900.0}, {"seed": 2, "train_seconds": 5.0}])
     3.0
+    >>> compute_ratio([{"seed": 1, "train_seconds": 300.0}], [{"seed": 1, "train_seconds": 30.0, "device": "cuda"}])
+    nan
     """
     a, b = by_seed(a_runs, "train_seconds"), by_seed(b_runs, "train_seconds")
-    seeds = set(a) & set(b)
+    a_device, b_device = ({r["seed"]: device_kind(r) for r in rs} for rs in (a_runs, b_runs))
+    seeds = {s for s in set(a) & set(b) if a_device[s] == b_device[s]}
     return sum(b[s] for s in seeds) / sum(a[s] for s in seeds) if seeds else math.nan
 
 
@@ -286,9 +311,9 @@ def comparison_table(rows: list[dict]) -> str:
         anytime_cell = (_signed(r["anytime"]) if r["anytime"]["seeds"] else "n/a") + " | " if anytime else ""
         lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {acc['seeds']} | "
                      f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} | {anytime_cell}"
-                     f"{r['compute_ratio']:.2f}x |")
+                     f"{'n/a' if math.isnan(r['compute_ratio']) else format(r['compute_ratio'], '.2f') + 'x'} |")
     return "\n".join(lines) + ("\n\nMean paired difference ± 95% paired t-interval over the seeds both ran; train time: "
-                               "B's mean train seconds over A's on those seeds.\n")
+                               "B's mean train seconds over A's on the seeds both ran on one kind of device.\n")
 
 
 # the served average's corrections on the memory, each evaluated beside the average in every run with a memory
