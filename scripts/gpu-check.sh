@@ -13,6 +13,7 @@
 #
 # The data: ../shared/datasets beside the checkout, else DATASETS (a folder holding
 # cifar10-jpeg.zip; on the GPU machine a carried, git-ignored copy such as .cache/gpu-data).
+# On a lent machine: `bash scripts/gpu-bundle.sh` here, then this script there, carrying .whl and .cache/gpu-data.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -20,6 +21,13 @@ PY=${PYTHON:-.venv/bin/python}
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu-check: no CUDA device on this machine (torch.cuda.is_available() is False): nothing to check"
   exit 0
+fi
+if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c 'import fastapi, sqlite_utils, pydantic_settings' 2>/dev/null; then
+  # a lent image without this project's packages: the wheels scripts/gpu-bundle.sh made, first on the path (the
+  # test servers and the sweep's runs inherit it)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/aser-site .whl/*.whl \
+    || exit 2
+  export PYTHONPATH=/tmp/aser-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 DATASETS=${DATASETS:-../shared/datasets}
 [ -f "$DATASETS/cifar10-jpeg.zip" ] || DATASETS=.cache/gpu-data
