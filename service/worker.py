@@ -209,10 +209,10 @@ class LearnerWorker:
     def _build_learner(self) -> ContinualLearner:
         s = self.settings
         return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
-                            per_class=s.per_class, replay_batch=s.replay_batch, lr=s.lr, **s.replay_objective(),
-                            **s.stronger_learner(), device=self.device, seed=s.seed, image_shape=self.image_shape,
-                            latent_dtype=torch.bfloat16 if s.latent_bf16 else None, serving_bn=s.serving_bn,
-                            serving_bias=s.serving_bias)
+                            per_class=s.per_class, replay_batch=s.replay_batch_on(self.device), lr=s.lr,
+                            **s.replay_objective(), **s.stronger_learner(), device=self.device, seed=s.seed,
+                            image_shape=self.image_shape, latent_dtype=torch.bfloat16 if s.latent_bf16 else None,
+                            serving_bn=s.serving_bn, serving_bias=s.serving_bias)
 
     def _load(self) -> None:
         """(Re)start from the last committed checkpoint."""

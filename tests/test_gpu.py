@@ -47,6 +47,7 @@ def test_the_service_learns_on_cuda_and_its_onnx_snapshot_answers_alike(tmp_path
         send(server, jpegs)
         st = wait_trained(server, len(jpegs))
         assert st["device"].startswith("cuda")
+        assert st["config"]["replay_batch"] == 20  # unset: the larger replay batch, free on a GPU (issue 37)
         assert st["classes"] == ["airplane", "frog"]
         images = [img for _, img in jpegs[::3]]
         served = predictions(server, images)

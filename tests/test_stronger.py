@@ -401,6 +401,7 @@ def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
         assert config["serving_bn"] == options.get("serving_bn", "average")
         assert config["serving_bias"] is options.get("serving_bias", True)  # a JSON boolean, not 1.0
         assert config["augment"] is True and config["iterations"] == 2 and config["mem_size"] == 50
+        assert config["replay_batch"] == 10  # unset, on a CPU (20 on a GPU: tests/test_gpu.py)
         for ours, theirs in zip(onnx.predict([io.BytesIO(i) for i in probe], k=2), served["results"]):
             assert [t["label"] for t in ours] == [t["label"] for t in theirs]
             assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)
