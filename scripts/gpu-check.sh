@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU path, checked and measured in one command: the suite's GPU tests (tests marked `gpu`),
 # step times per method on the GPU in fp32, bf16 and bf16 + torch.compile, and with FULL=1 one full Split
-# CIFAR-10 run of the best configuration and of the class-balanced ASER memory, timed end to end. Figures go
-# to results/gpu-<device>.json (and the speed files beside it). Without CUDA it says so and exits 0.
+# CIFAR-10 run of the best configuration, of the class-balanced ASER memory and of the same with a replay batch of 20
+# (what the service runs on a GPU), timed end to end. Figures go to results/gpu-<device>.json (and the speed files
+# beside it). Without CUDA it says so and exits 0.
 #
 #   bash scripts/gpu-check.sh            # after scripts/install.sh (or with PYTHON=...)
-#   FULL=1 bash scripts/gpu-check.sh    # and one full-length run each of the best and of cb-sv-duel
+#   FULL=1 bash scripts/gpu-check.sh    # and one full-length run each of the best, cb-sv-duel and cb-sv-duel + rb20
 #   FULL=1 SPEED=0 bash scripts/gpu-check.sh    # the tests and the runs, keeping the speed files in results/
 #
 # Each stage has its own time limit (STAGE_SECONDS, default 240), so that the record is written even when one
@@ -48,14 +49,16 @@ for mode in "" "--bf16" "--bf16 --compile"; do
   $stage "$PY" -m clients.bench.benchmark speed --device cuda $mode $cases --out "results/$name.json" 2>&1 | tail -3
 done
 if [ "${FULL:-0}" = 1 ]; then
-  # the best configuration and the class-balanced ASER memory, under the options, side by side on the one GPU
-  full_run() {
+  # the best reservoir, the class-balanced ASER memory and what the service runs on a GPU (the same with a replay
+  # batch of 20), under the options, side by side on the one GPU
+  full_run() {  # method, replay batch
+    local name="$1-ace-aug-it2-ema0.99$([ "$2" = 10 ] || echo "-rb$2")-m1000-seed0"
     $stage "$PY" -m clients.bench.benchmark run --dataset cifar10 --data "$DATASETS/cifar10-jpeg.zip" --method "$1" \
-      --mem-size 1000 --loss ace --iterations 2 --augment --ema 0.99 --device cuda --seed 0 --quiet \
-      --out "results/gpu/$slug/$1-ace-aug-it2-ema0.99-m1000-seed0.json" 2>&1 | tail -4
+      --mem-size 1000 --loss ace --iterations 2 --augment --ema 0.99 --replay-batch "$2" --device cuda --seed 0 \
+      --quiet --out "results/gpu/$slug/$name.json" 2>&1 | tail -4
   }
   mkdir -p "results/gpu/$slug"
-  full_run er & full_run cb-sv-duel & wait
+  full_run er 10 & full_run cb-sv-duel 10 & full_run cb-sv-duel 20 & wait
 fi
 "$PY" - "$slug" "$work/junit.xml" <<'PYEOF'
 import glob, json, os, subprocess, sys, time
