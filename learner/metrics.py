@@ -19,10 +19,12 @@ def average_accuracy(matrix: Sequence[Sequence[float]]) -> float:
 
 
 def forgetting(matrix: Sequence[Sequence[float]], i: int, j: int) -> float:
-    """f_{i,j} = max_{l < i} a_{l,j} - a_{i,j} (0-based i, j < i)."""
+    """f_{i,j} = max_{l < i} a_{l,j} - a_{i,j} (0-based i, j < i). The max runs from l = j: before task j
+    is trained its classes score 0 in class-incremental learning (or are not scored: None), so the rows
+    above it cannot raise the max."""
     if not 0 <= j < i < len(matrix):
         raise ValueError(f"forgetting needs 0 <= j < i < T, got i={i}, j={j}")
-    return max(matrix[l][j] for l in range(i)) - matrix[i][j]
+    return max(matrix[l][j] for l in range(j, i)) - matrix[i][j]
 
 
 def average_forgetting(matrix: Sequence[Sequence[float]]) -> float:

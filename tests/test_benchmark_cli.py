@@ -21,12 +21,14 @@ def run(tmp_path, cache_dir, method, out, *extra):
 def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir, capsys):
     assert run(tmp_path, cache_dir, "er", tmp_path / "res" / "er.json", "--seed", "0", "1") == 0
     printed = capsys.readouterr().out
-    assert "A_T =" in printed and "after \\ task" in printed
+    assert "A_T =" in printed and "after \\ task" in printed and "     -" in printed
     for seed in (0, 1):
         r = json.loads((tmp_path / "res" / f"er-seed{seed}.json").read_text())
         assert r["method"] == "er" and r["dataset"] == "cifar10" and r["mem_size"] == 30 and r["seed"] == seed
         assert len(r["accuracy_matrix"]) == 5 and all(len(row) == 5 for row in r["accuracy_matrix"])
         assert abs(r["average_accuracy"] - sum(r["accuracy_matrix"][-1]) / 5) < 1e-9
+        for key in (k for k in r if k.startswith("accuracy_matrix")):  # a task not yet seen is not scored
+            assert all((r[key][i][j] is None) == (j > i) for i in range(5) for j in range(5)), key
         assert r["average_forgetting"] is not None and r["steps"] == 20 and r["train_seconds"] > 0
         assert r["settings"]["train_samples"] == 200 and r["command"].startswith("python -m clients.bench.benchmark")
         share = r["replay_incoming_share"]  # task 1: memory holds only the incoming task's classes

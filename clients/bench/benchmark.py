@@ -46,7 +46,7 @@ from .results import (
 )
 
 
-def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, list[float]]:
+def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | None = None) -> dict[str, list]:
     """Test accuracy (percent) on each task's held-out set, by classifier: the softmax head of the
     serving weights ("head"), the nearest-class-mean classifier on the memory ("ncm", for a learner
     with one), with a moving average the trained weights' own head ("trained"), and for a learner
@@ -54,12 +54,14 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, l
     (`ContinualLearner.refresh_serving`): "bn_memory" or "bn_average" (the other BatchNorm
     statistics), "bias_memory" or "bias_none" (with or without the fitted logit bias), so that
     every run pairs them. The head, the NCM and the other bias answer on one pass of serving
-    features (the bias moves no feature); the trained weights and the other statistics take one each."""
+    features (the bias moves no feature); the trained weights and the other statistics take one each.
+    With `seen`, only the first `seen` tasks are scored: the later ones' cells are None (no metric reads
+    them; on Split CIFAR-10 and Mini-ImageNet they were 0.0 in every run that scored them)."""
     learner.refresh_serving()  # an evaluation point
     ncm = memory_ncm(learner)
-    out: dict[str, list[float]] = {"head": [], **({"ncm": []} if ncm else {}),
-                                   **({"trained": []} if learner.ema is not None else {})}
-    test_sets = [task_test_set(data, classes) for classes in tasks]
+    out: dict[str, list] = {"head": [], **({"ncm": []} if ncm else {}),
+                            **({"trained": []} if learner.ema is not None else {})}
+    test_sets = [task_test_set(data, classes) for classes in tasks[:seen]]
     features = [learner.serving_features(x) for x, _ in test_sets]
     for (x, y), f in zip(test_sets, features):
         out["head"].append(percent_correct(learner.predict_features(f).cpu(), y))
@@ -75,7 +77,7 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]]) -> dict[str, l
         with learner.serving_from(bias=not learner.serving_bias):
             out[other_bias] = [percent_correct(learner.predict_features(f).cpu(), y)
                                for f, (_, y) in zip(features, test_sets)]
-    return out
+    return {classifier: row + [None] * (len(tasks) - len(row)) for classifier, row in out.items()}
 
 
 def percent_correct(pred: torch.Tensor, y: torch.Tensor) -> float:
@@ -147,7 +149,7 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
         x, y = task_test_set(data, seen)
         run["anytime"].append(percent_correct(learner.predict(x).cpu(), y))
         if kind == "end":
-            record(evaluate(learner, data, tasks), run)
+            record(evaluate(learner, data, tasks, seen=index // 2 + 1), run)
 
     t0 = time.perf_counter()
     counts = simulate(learner, stream, costs, args, evaluate_at)
@@ -247,7 +249,7 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
         return
     if replayed:  # % of replayed samples whose class is in the incoming batch
         run["replay_share"].append(round(100 * float(incoming) / replayed, 2))
-    record(evaluate(learner, data, data.tasks(args.tasks)), run)
+    record(evaluate(learner, data, data.tasks(args.tasks), seen=len(run["matrix"]) + 1), run)
 
 
 def result_record(args, data: ImageDataset, seed: int, device: torch.device, learner, run: dict) -> dict:
@@ -323,10 +325,13 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True, mininterval=2)
 
 
-def format_matrix(matrix: list[list[float]]) -> str:
+def format_matrix(matrix: list[list[float | None]]) -> str:
+    """The accuracy matrix as printed after a run; - for a task not scored yet."""
+    def cells(row: list[float | None]) -> str:
+        return " ".join("     -" if v is None else f"{v:6.1f}" for v in row)
+
     head = "after \\ task " + " ".join(f"{j + 1:>6}" for j in range(len(matrix[0])))
-    rows = [f"{('task ' + str(i + 1)) if len(matrix) > 1 else 'end':>12} " + " ".join(f"{v:6.1f}" for v in row)
-            for i, row in enumerate(matrix)]
+    rows = [f"{('task ' + str(i + 1)) if len(matrix) > 1 else 'end':>12} {cells(row)}" for i, row in enumerate(matrix)]
     return "\n".join([head, *rows])
 
 
