@@ -63,5 +63,5 @@ carried = sum(os.path.getsize(os.path.join(d, f)) for top in (".whl", ".cache/gp
 print(f"a call sends {(tree + carried) / 2**20:.1f} MiB of at most 64 (the checkout {tree / 2**20:.1f}, carried "
       f"{carried / 2**20:.1f})")
 if tree + carried > 64 * 2**20:
-    print("over the limit: move the in-flight results/*/*.resume.pt aside for the call (they are in git) and back after")
+    print("over the limit: move the in-flight results/*/*.resume.pt aside for the call (they are in git), back after")
 PY

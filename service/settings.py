@@ -220,9 +220,10 @@ class Settings(BaseSettings):
         return {k: v for k, v in chosen.items() if v is not None}
 
     def replay_batch_on(self, device: str) -> int:
-        """The replay batch as set, else 20 on a GPU and 10 on a CPU. Issue 37: 20 lifts the default by +2.73 ±
-        1.32 A_T at M=1000 (10 paired seeds), +2.58 ± 3.36 at M=500, +0.84 ± 4.35 at M=200 (5 each); on an H100 its step
-        takes 0.98x the default's, on one CPU thread 1.40x (over 3x ER's step there: rule 5, docs/results.md).
+        """The replay batch as set, else 20 on a GPU and 10 on a CPU. Issue 37: 20 lifts the default by
+        +2.73 ± 1.32 A_T at M=1000 (10 paired seeds), +2.58 ± 3.36 at M=500, +0.84 ± 4.35 at M=200 (5 each);
+        on an H100 its step takes 0.98x the default's, on one CPU thread 1.40x (over 3x ER's step there: rule 5,
+        docs/results.md).
 
         >>> Settings().replay_batch_on("cuda:0"), Settings().replay_batch_on("cpu")
         (20, 10)

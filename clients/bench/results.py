@@ -299,6 +299,10 @@ def compute_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
     return sum(b[s] for s in seeds) / sum(a[s] for s in seeds) if seeds else math.nan
 
 
+def _ratio(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}x"
+
+
 def comparison_table(rows: list[dict]) -> str:
     anytime = any(r["anytime"]["seeds"] for r in rows)  # real-time runs
     lines = ["| dataset | M | A | B | paired seeds | B − A: A_T (pts) | seeds A / B wins | B − A: NCM A_T (pts) "
@@ -311,7 +315,7 @@ def comparison_table(rows: list[dict]) -> str:
         anytime_cell = (_signed(r["anytime"]) if r["anytime"]["seeds"] else "n/a") + " | " if anytime else ""
         lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {acc['seeds']} | "
                      f"{_signed(acc)} | {acc['wins_a']} / {acc['wins_b']} | {ncm_cell} | {anytime_cell}"
-                     f"{'n/a' if math.isnan(r['compute_ratio']) else format(r['compute_ratio'], '.2f') + 'x'} |")
+                     f"{_ratio(r['compute_ratio'])} |")
     return "\n".join(lines) + ("\n\nMean paired difference ± 95% paired t-interval over the seeds both ran; train time: "
                                "B's mean train seconds over A's on the seeds both ran on one kind of device.\n")
 
