@@ -21,7 +21,8 @@ class AGEM(ContinualLearner):
 
     def __init__(self, num_classes: int, mem_size: int, replay_batch: int = 10, **kwargs):
         super().__init__(num_classes, **kwargs)
-        self.buffer = ReplayBuffer(mem_size, self.image_shape, self.device)
+        self.buffer = ReplayBuffer(mem_size, self.backbone.stored_shape, self.device,
+                                   self.backbone.stored_dtype)
         self.update_policy, self.retrieval_policy = ReservoirUpdate(), RandomRetrieval()
         self.replay_batch = replay_batch
         self.tasks_ended = 0

@@ -14,11 +14,13 @@ from copy import deepcopy
 import torch
 from torch.nn import functional as F
 
+from .backbone import ScratchBackbone
 from .bias_correction import fit_logit_bias
 from .ema import WeightAverage
 from .latent import Latent
-from .model import ReducedResNet18, fold_batchnorm, recompute_bn, scale_pixels
+from .model import ReducedResNet18, recompute_bn
 from .policy import StepContext
+from .streaming import make_head
 
 
 def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
@@ -40,20 +42,22 @@ class ContinualLearner:
                  device: str | torch.device = "cpu", seed: int = 0, channels_last: bool | None = None,
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
-                 serving_bias: bool = False):
+                 serving_bias: bool = False, backbone=None, serving_head: str | None = None):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
         if channels_last is None:
             channels_last = training_channels_last(self.device, autocast_dtype)
+        # what trains and what the memory stores (`learner.backbone`): by default the paper's network
+        self.backbone = backbone or ScratchBackbone(self.image_shape, channels_last)
+        channels_last = channels_last and self.backbone.name == "scratch"
+        self.backbone.channels_last = channels_last
         self.channels_last = channels_last
         self.autocast_dtype = autocast_dtype
         # the memory policies' feature passes (S_sub, candidates) may run in reduced precision
         # while training and predictions stay in autocast_dtype (fp32 by default)
         self.latent_dtype = latent_dtype or autocast_dtype
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.model = ReducedResNet18(num_classes, input_size=self.image_shape[1])
+        self.model = self.backbone.make_model(num_classes, seed)
         self.model.to(self.device)
         if channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -66,7 +70,15 @@ class ContinualLearner:
         self.ema = WeightAverage(self.model, ema_decay) if ema_decay else None
         if serving_bn not in SERVING_BN:
             raise ValueError(f"unknown serving_bn {serving_bn!r}; choose one of {', '.join(SERVING_BN)}")
+        if serving_bn == "memory" and not self.backbone.trains_bn:
+            raise ValueError("serving_bn='memory' recomputes trained BatchNorm statistics; the pretrained top keeps "
+                             "its own")
         self.serving_bn, self.serving_bias = serving_bn, serving_bias
+        # a streaming head on the frozen features (`learner.streaming`) serves instead of the trained one
+        if serving_head and not hasattr(self.backbone, "frozen_features"):
+            raise ValueError("a streaming serving head needs frozen features: the pretrained backbone")
+        self.stream_head = make_head(serving_head, self.model.feature_dim) if serving_head else None
+        self._solved = None  # (samples_seen, the solved streaming head)
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
@@ -87,11 +99,10 @@ class ContinualLearner:
         `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation, the
         memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
         the stream gets a step."""
-        if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != self.image_shape:
-            raise ValueError(f"expected uint8 images [b, {', '.join(map(str, self.image_shape))}], "
-                             f"got {images.dtype} {tuple(images.shape)}")
-        images, labels = images.to(self.device), labels.to(self.device, torch.long)
+        images, labels = self.encode(images.to(self.device)), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
+        if self.stream_head is not None:
+            self.stream_head.update(self.backbone.frozen_features(images), labels)
         stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
         self.lean_steps += lean
         if self.forgotten:
@@ -113,8 +124,10 @@ class ContinualLearner:
         sampling the whole stream), `batch_size` at a time (the stream's batch: KNN-SV then scores
         a skipped sample among as many candidates as a trained one); `lean`: through the update's
         lean form, as a lean step would. A learner without a memory only counts them."""
-        images, labels = images.to(self.device), labels.to(self.device, torch.long)
+        images, labels = self.encode(images.to(self.device)), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
+        if self.stream_head is not None:
+            self.stream_head.update(self.backbone.frozen_features(images), labels)
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
             self._pass_through(images[i:i + step], labels[i:i + step], lean)
@@ -158,9 +171,13 @@ class ContinualLearner:
                            model=self.model, lr=self.lr, num_classes=self.num_classes, to_input=self.to_input,
                            eligible=eligible)
 
-    def to_input(self, images: torch.Tensor) -> torch.Tensor:
-        x = scale_pixels(images)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Incoming uint8 images -> the form the memory stores and the top trains on (the images
+        themselves from scratch; the frozen part's latents on the pretrained backbone)."""
+        return self.backbone.encode(images)
+
+    def to_input(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.backbone.to_input(stored)
 
     @contextmanager
     def _autocast(self):
@@ -212,11 +229,27 @@ class ContinualLearner:
         return self._eval_map(self.inference_features(self.latent_dtype, serving=False), images, batch_size)
 
     def serving_features(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-        """f_ext of the serving weights (the EMA, if on): what predictions and NCM use."""
+        """f_ext of the serving weights (the EMA, if on): what predictions and NCM use; under a
+        streaming serving head, the frozen features it reads."""
+        if self.stream_head is not None:
+            return self._eval_map(lambda x: x, images, batch_size, self.frozen_features)
         return self._eval_map(self.inference_features(self.autocast_dtype), images, batch_size)
+
+    def frozen_features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.backbone.frozen_features(self.encode(images))
+
+    def solved_head(self):
+        """The streaming head solved on what it has seen so far (once per new sample count)."""
+        if self._solved is None or self._solved[0] != (self.samples_seen, self.samples_skipped):
+            self._solved = ((self.samples_seen, self.samples_skipped), self.stream_head.head())
+        return self._solved[1]
 
     def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
         """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones)."""
+        if serving and self.stream_head is not None:
+            head, n = self.solved_head(), self.num_classes
+            return self._eval_map(lambda f: head.full_logits(f, n).to(f.device), images, batch_size,
+                                  self.frozen_features)
         features = self.inference_features(self.autocast_dtype, serving)
         head = (self.serving_model if serving else self.model).head
         return self._eval_map(lambda x: head(features(x)), images, batch_size)
@@ -257,7 +290,7 @@ class ContinualLearner:
         else:
             copy = deepcopy(self.averaged_model).eval().requires_grad_(False)
         if self.serving_bias:
-            features = fold_batchnorm(copy)  # the inference path: no normalisation passes
+            features = self.backbone.features(copy)  # the inference path: no normalisation passes
             logits = self._eval_map(lambda x: copy.head(features(x)), images, 512)
             with torch.no_grad():
                 copy.head.bias += fit_logit_bias(logits, labels, copy.num_classes).to(copy.head.bias.device)
@@ -287,7 +320,7 @@ class ContinualLearner:
             self._folded = (self.version, {})
         cache, net = self._folded[1], self.serving_model if serving else self.model
         if (id(net), dtype) not in cache:
-            cache[(id(net), dtype)] = fold_batchnorm(net, dtype)
+            cache[(id(net), dtype)] = self.backbone.features(net, dtype)
         return cache[(id(net), dtype)]
 
     def predict(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
@@ -297,17 +330,20 @@ class ContinualLearner:
         """The serving head's answers on `serving_features` of some images: what `predict` answers
         on those images, without a second pass through the network (the head runs on the same
         chunks), so one feature pass serves several heads (an evaluation's corrections)."""
+        if self.stream_head is not None:
+            return self.solved_head().predict(features.cpu()).to(self.device)
         head = self.serving_model.head
         with torch.inference_mode():
             answers = [head(chunk.to(self.device)).argmax(1) for chunk in features.split(batch_size)]
         return torch.cat(answers) if answers else torch.zeros(0, dtype=torch.long, device=self.device)
 
-    def _eval_map(self, fn, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def _eval_map(self, fn, images: torch.Tensor, batch_size: int, to_input=None) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
+        to_input = to_input or self.to_input
         try:
             with torch.inference_mode():
-                outs = [fn(self.to_input(images[i:i + batch_size].to(self.device)))
+                outs = [fn(to_input(images[i:i + batch_size].to(self.device)))
                         for i in range(0, images.shape[0], batch_size)]
             return torch.cat(outs).float().clone() if outs else torch.zeros(0)
         finally:
@@ -333,6 +369,9 @@ class ContinualLearner:
         (a label sent again later must come as a new class id). Returns the memory samples removed."""
         self.forgotten.add(class_id)
         self._silence_forgotten()
+        if self.stream_head is not None:
+            self.stream_head.forget(class_id)
+            self._solved = None
         self.version += 1
         buffer = getattr(self, "buffer", None)
         return buffer.remove_class(class_id) if buffer is not None else 0
@@ -364,12 +403,18 @@ class ContinualLearner:
             "rehearsal_steps": self.rehearsal_steps,
             "lean_steps": self.lean_steps,
             "forgotten": sorted(self.forgotten),
+            "backbone": self.backbone.identity(),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
+            **({"stream_head": self.stream_head.state_dict()} if self.stream_head is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state["method"] != self.name:
             raise ValueError(f"state is for method {state['method']!r}, this learner is {self.name!r}")
+        saved = state.get("backbone", {"backbone": "scratch"})  # states from before backbones were scratch
+        if saved != self.backbone.identity():
+            raise ValueError(f"state was trained on backbone {saved}, this learner's is {self.backbone.identity()} "
+                             f"(the backbone setting must match the data it resumes)")
         self.ensure_classes(state["num_classes"])
         self.model.load_state_dict(state["model"])
         self.optimizer = self._make_optimizer()
@@ -384,3 +429,6 @@ class ContinualLearner:
         self.forgotten = set(state.get("forgotten", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights
             self.ema.load_state_dict(state.get("ema"), self.model)
+        if self.stream_head is not None and "stream_head" in state:
+            self.stream_head.load_state_dict(state["stream_head"])
+        self._solved = None

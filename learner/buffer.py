@@ -1,6 +1,7 @@
 """The replay memory M: fixed capacity, preallocated tensors, per-slot feature cache.
 
-Images are kept as uint8 [M, 3, H, W] (the raw pixels; the learner scales them to [0, 1]),
+Images are kept as uint8 [M, 3, H, W] (the raw pixels; the learner scales them to [0, 1]) or, on
+a pretrained backbone, as the frozen part's latents in their stored dtype (`learner.backbone`),
 labels as int64. `features` caches f_ext of each slot together with the model version that
 produced it, so a step never runs the feature extractor twice on the same sample under the
 same weights (the update after step n and the retrieval before step n+1 share weights).
@@ -20,13 +21,15 @@ import torch
 
 
 class ReplayBuffer:
-    def __init__(self, capacity: int, image_shape: tuple[int, int, int], device: str | torch.device = "cpu"):
+    def __init__(self, capacity: int, image_shape: tuple[int, ...], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.uint8):
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.image_shape = tuple(image_shape)
         self.device = torch.device(device)
-        self.images = torch.zeros((capacity, *self.image_shape), dtype=torch.uint8, device=self.device)
+        # what a slot stores: the images, or on a pretrained backbone the frozen part's latents
+        self.images = torch.zeros((capacity, *self.image_shape), dtype=dtype, device=self.device)
         self.labels = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
         self.size = 0  # slots 0..size-1 are filled
         self.n_seen = 0  # stream samples offered to the buffer so far (reservoir's n)

@@ -17,6 +17,7 @@ from .ewc import EWCpp
 from .finetune import FineTune
 from .objective import ReplayObjective
 from .replay import ReplayLearner
+from .stream_head import StreamHeadLearner
 from .retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
 from .update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
 
@@ -72,7 +73,9 @@ LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "as
 # the policies K or N_c shape (`shapley_settings`)
 VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "asv-mu-within", "dist", "dist-mu",
                    *(balanced_name(r) for r in ("value", "duel", "compete"))}
-OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline")
+# no memory, no training: a streaming head on the pretrained backbone's frozen features (`learner.stream_head`)
+STREAM_HEAD_METHODS = {"slda": "slda", "slda-oas": "slda-oas", "class-means": "ncm"}
+OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline", *STREAM_HEAD_METHODS)
 METHODS = tuple(REPLAY_METHODS) + OTHER_METHODS
 IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}
 
@@ -139,6 +142,13 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
         raise ValueError("--distill needs a moving average to teach (--ema)")
     if method not in REPLAY_METHODS and (iterations != 1 or augment):
         raise ValueError(f"--iterations and --augment apply to the replay methods, not {method}")
+    backbone = kwargs.get("backbone")
+    if backbone is not None and backbone.name != "scratch" and augment:
+        raise ValueError("--augment crops and flips images; a pretrained backbone's memory holds latents")
+    if method in STREAM_HEAD_METHODS:
+        if backbone is None or backbone.name == "scratch":
+            raise ValueError(f"{method} reads frozen features: it needs a pretrained backbone")
+        return StreamHeadLearner(num_classes, serving_head=STREAM_HEAD_METHODS[method], **kwargs)
     if method in ("finetune", "iid-online", "iid-offline"):
         return FineTune(num_classes, **kwargs)
     if method == "ewc":

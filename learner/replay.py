@@ -54,7 +54,8 @@ class ReplayLearner(ContinualLearner):
         self.lean_update, self.lean_retrieval = lean_policies or (update, retrieval)
         self.replay_batch = replay_batch
         self.exclude_current_task = exclude_current_task
-        self.buffer = ReplayBuffer(mem_size, self.image_shape, self.device)
+        self.buffer = ReplayBuffer(mem_size, self.backbone.stored_shape, self.device,
+                                   self.backbone.stored_dtype)
         self.name = f"replay[{update.name}+{retrieval.name}]"
 
     def context(self) -> StepContext:

@@ -18,6 +18,7 @@ exporter's own keys (model_version, steps, samples_trained, method, created).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -40,8 +41,17 @@ ACCEPTED_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "BMP")  # MPO: a phone's multi
 ACCEPTED_MODES = ("RGB", "RGBA", "L", "LA", "P", "1")  # channels read as RGB without guessing (no CMYK, no 16-bit)
 MAX_PIXELS = 40_000_000  # decoded pixels of one image (a JPEG decodes at 1/2 to 1/8 scale first when it can)
 MAX_ASPECT_RATIO = 20  # longer side over shorter side
-# decoding is pixel work: at most one image a core at a time, whatever the number of requests
+# a JPEG's scans: ordinary encoders write a dozen or fewer (libjpeg's progression: 10 in colour, 6 in
+# grey); each is a pass over the coefficient buffer, so a file of repeated scans is a CPU bomb
+MAX_SCANS = 100
+# a progressive JPEG buffers every coefficient at full size whatever the draft scale (2 bytes each):
+# 128 MiB is a 42 MP photo in 4:2:0, 21 MP in 4:4:4
+MAX_COEFFICIENT_BYTES = 128 * 2**20
+# decoding is pixel work: at most one image a core at a time, whatever the number of requests; and one
+# progressive JPEG at a time, so the worst memory at once is one coefficient buffer (136 MiB at the cap,
+# results/images/image-costs.json) beside the other cores' baseline decodes (16 MiB each at worst)
 _DECODES = threading.BoundedSemaphore(os.cpu_count() or 1)
+_PROGRESSIVE_DECODES = threading.BoundedSemaphore(1)
 
 
 class ImageRejected(ValueError):
@@ -55,9 +65,10 @@ class ImageRejected(ValueError):
 def read_image(data: bytes, size: int, strict: bool = False) -> np.ndarray:
     """Encoded image bytes -> uint8 [3, size, size] by the one input rule every part applies (the
     service's ingest and predict, the replica, the ONNX client): a format of ACCEPTED_FORMATS in a
-    mode of ACCEPTED_MODES, whole (a JPEG must end with its end-of-image marker), at most MAX_PIXELS
-    decoded and MAX_ASPECT_RATIO long (both from the header, before any decoding), EXIF orientation
-    applied, then `fit_to_input`. `strict`: refuse any size but size x size. Raises ImageRejected.
+    mode of ACCEPTED_MODES, whole (a JPEG must end with its end-of-image marker and its data must
+    cover its declared frame), at most MAX_PIXELS decoded and MAX_ASPECT_RATIO long, a JPEG at most
+    MAX_SCANS scans and, progressive, MAX_COEFFICIENT_BYTES of coefficients (all from the headers,
+    before any decoding: `learner.jpeg_structure`), EXIF orientation applied, then `fit_to_input`. `strict`: refuse any size but size x size. Raises ImageRejected.
 
     >>> from PIL import Image
     >>> buf = io.BytesIO(); Image.new("RGB", (64, 48), (255, 0, 0)).save(buf, "PNG")
@@ -78,10 +89,10 @@ def read_image(data: bytes, size: int, strict: bool = False) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as im:
-                _check_header(im, data, size, strict)
+                progressive = _check_header(im, data, size, strict)
                 if im.format in ("JPEG", "MPO"):
                     im.draft("RGB", (size, size))  # decode at the smallest scale still >= size
-                with _DECODES:
+                with _PROGRESSIVE_DECODES if progressive else contextlib.nullcontext(), _DECODES:
                     im.load()  # decodes fully: truncated or corrupt data fails here
                     upright = ImageOps.exif_transpose(im)
                     return np.ascontiguousarray(np.asarray(fit_to_input(upright.convert("RGB"), size),
@@ -92,8 +103,9 @@ def read_image(data: bytes, size: int, strict: bool = False) -> np.ndarray:
         raise ImageRejected("corrupt_image", f"the image cannot be decoded: {exc}") from exc
 
 
-def _check_header(im, data: bytes, size: int, strict: bool) -> None:
-    """Everything the header tells, refused before a pixel is decoded."""
+def _check_header(im, data: bytes, size: int, strict: bool) -> bool:
+    """Everything the header tells, refused before a pixel is decoded. Returns whether the image is a
+    progressive JPEG (its decode buffers every coefficient)."""
     (w, h), fmt = im.size, im.format
     if fmt not in ACCEPTED_FORMATS:
         raise ImageRejected("unsupported_format", f"image format {fmt} is not accepted; send one of "
@@ -109,8 +121,34 @@ def _check_header(im, data: bytes, size: int, strict: bool) -> None:
     reduce = 8 if fmt in ("JPEG", "MPO") else 1  # a JPEG's draft decodes at 1/8 scale when it can
     if w * h > MAX_PIXELS * reduce * reduce or (reduce == 1 and w * h > MAX_PIXELS):
         raise ImageRejected("too_many_pixels", f"the image is {w}x{h}, more than {MAX_PIXELS:,} pixels", 413)
-    if fmt in ("JPEG", "MPO") and not data.rstrip(b"\0").endswith(b"\xff\xd9"):
-        raise ImageRejected("corrupt_image", "the JPEG data is truncated (no end-of-image marker)")
+    if fmt in ("JPEG", "MPO"):
+        if not data.rstrip(b"\0").endswith(b"\xff\xd9"):
+            raise ImageRejected("corrupt_image", "the JPEG data is truncated (no end-of-image marker)")
+        return _check_jpeg_structure(data)
+    return False
+
+
+def _check_jpeg_structure(data: bytes) -> bool:
+    """The costs a JPEG's header does not show: its scans, its data's coverage, its coefficient buffer."""
+    from .jpeg_structure import JpegStructureError, read_structure
+
+    try:
+        jpeg = read_structure(data)
+    except JpegStructureError as exc:
+        if exc.kind == "unsupported":
+            raise ImageRejected("unsupported_format", str(exc), 415) from exc
+        raise ImageRejected("corrupt_image", f"the JPEG cannot be decoded: {exc}") from exc
+    if jpeg.scans > MAX_SCANS:
+        raise ImageRejected("too_many_scans", f"the JPEG holds {jpeg.scans} scans, more than {MAX_SCANS}; "
+                            "re-encode it (ordinary encoders write a dozen or fewer)")
+    if jpeg.uncovered():
+        raise ImageRejected("corrupt_image", f"the JPEG's data ends before its declared {jpeg.width}x{jpeg.height} "
+                            "frame is covered")
+    if jpeg.progressive and jpeg.coefficient_bytes > MAX_COEFFICIENT_BYTES:
+        raise ImageRejected("too_many_pixels", f"the progressive JPEG is {jpeg.width}x{jpeg.height}: decoding it "
+                            f"buffers {jpeg.coefficient_bytes / 2**20:.0f} MiB of coefficients, more than "
+                            f"{MAX_COEFFICIENT_BYTES // 2**20}; send a baseline JPEG or a smaller one", 413)
+    return jpeg.progressive
 
 
 def fit_to_input(image, size: int):

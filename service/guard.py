@@ -10,6 +10,11 @@
   unsafe request (POST, PUT, PATCH, DELETE, or a WebSocket) from another origin without a bearer
   token is refused (403 `cross_origin`). Pages cannot attach a bearer token across origins without
   a CORS preflight, which this service never grants; devices and scripts send no `Origin`.
+- Fetch Metadata (OWASP's resource isolation policy): a browser that strips `Origin` (an extension, a
+  privacy setting) still says where a request comes from in `Sec-Fetch-Site`; an unsafe request
+  marked `cross-site`, or `same-site` (another origin of the same site), without a bearer token is
+  refused too (403 `cross_site`). `same-origin` and `none` (typed by the user) pass; so does a
+  client that sends no such header.
 
 >>> host_name("127.0.0.1:8000"), host_name("[::1]:80"), host_name("Example.org")
 ('127.0.0.1', '::1', 'example.org')
@@ -23,6 +28,7 @@ from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
+FOREIGN_SITES = {"cross-site", "same-site"}  # Sec-Fetch-Site values of a request from another origin
 PROBES = {"/healthz", "/readyz"}
 
 
@@ -70,9 +76,14 @@ class WebPageGuard:
                                       f"this service does not answer to the host name {host!r} (ASER_ALLOWED_HOSTS)")
         origin = headers.get("origin")
         unsafe = scope["type"] == "websocket" or scope.get("method", "GET") not in SAFE_METHODS
-        if unsafe and origin and not _same_origin(origin, headers.get("host", "")) and "authorization" not in headers:
-            return await self._refuse(scope, send, 403, "cross_origin",
-                                      f"a request from the web page at {origin} needs a bearer token")
+        if unsafe and "authorization" not in headers:
+            if origin and not _same_origin(origin, headers.get("host", "")):
+                return await self._refuse(scope, send, 403, "cross_origin",
+                                          f"a request from the web page at {origin} needs a bearer token")
+            site = headers.get("sec-fetch-site", "").strip().lower()
+            if site in FOREIGN_SITES:
+                return await self._refuse(scope, send, 403, "cross_site",
+                                          f"a request from a {site} web page needs a bearer token")
         return await self.app(scope, receive, send)
 
     @staticmethod

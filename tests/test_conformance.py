@@ -1,7 +1,9 @@
 """One contract every learner keeps, in the habit of river's estimator checks: every method of
 `learner.methods`, plain and with the stronger learner's options (ACE + augmentation + 2 iterations
 + a moving average that teaches by distillation and is served with BatchNorm statistics recomputed
-on the memory), on real CIFAR-10 images; the stronger augmentation on a memory of each kind.
+on the memory), on real CIFAR-10 images; the stronger augmentation on a memory of each kind; the
+pretrained backbone (`learner.backbone`) under memories of each kind, a trainable top above a cut
+serving streaming LDA, and 8-bit pooled latents (the streaming-head methods run on it alone).
 
 - a seed reproduces it bit for bit;
 - a state round trip (`state_dict` -> a fresh learner -> `load_state_dict`) continues bit for bit,
@@ -19,8 +21,12 @@ import io
 import pytest
 import torch
 
+from functools import lru_cache
+
 from learner import METHODS, make_learner
-from learner.methods import REPLAY_METHODS
+from learner.backbone import PretrainedBackbone
+from learner.methods import REPLAY_METHODS, STREAM_HEAD_METHODS
+from learner.pretrained import POOLED
 
 STREAM_METHODS = [m for m in METHODS if not m.startswith("iid")]
 OPTIONS = {
@@ -28,14 +34,28 @@ OPTIONS = {
     "options": {"loss": "ace", "augment": True, "iterations": 2, "ema_decay": 0.99, "distill": 1.0,
                 "serving_bn": "memory"},
     "strong": {"loss": "ace", "augment": "strong", "ema_decay": 0.99},
+    # the pretrained backbone: (cut, latent bits) at 64 px
+    "lite0": {"loss": "ace", "iterations": 2, "ema_decay": 0.99, "serving_head": "slda", "lr": 0.01,
+              "backbone": (15, 16)},
+    "lite0-8bit": {"loss": "ace", "serving_bias": True, "backbone": (POOLED, 8)},
 }
 CASES = [(m, o) for m in STREAM_METHODS for o in ("plain", "options") if o == "plain" or m in REPLAY_METHODS]
 CASES += [(m, "strong") for m in ("er", "sv-upd", "cb-sv-duel")]
+CASES += [(m, "lite0") for m in ("cb-sv-duel", "er", "aser-mu")] + [("cb-sv-duel", "lite0-8bit")]
+
+
+@lru_cache(maxsize=None)
+def backbone(cut: int, bits: int) -> PretrainedBackbone:
+    return PretrainedBackbone(input_size=64, cut=cut, latent_bits=bits)  # its frozen part never trains: shared
 
 
 def build(method: str, options: str, seed: int = 0):
     # a small memory and a short feature age bound, so that the memory fills and the cache goes stale
-    return make_learner(method, num_classes=4, mem_size=16, seed=seed, feature_max_age=2, **OPTIONS[options])
+    kwargs = dict(OPTIONS[options])
+    spec = kwargs.pop("backbone", (POOLED, 16) if method in STREAM_HEAD_METHODS else None)
+    if spec is not None:
+        kwargs["backbone"] = backbone(*spec)
+    return make_learner(method, num_classes=4, mem_size=16, seed=seed, feature_max_age=2, **kwargs)
 
 
 @pytest.fixture(scope="module")

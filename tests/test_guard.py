@@ -61,3 +61,38 @@ def test_a_token_passes_the_origin_check_and_the_allow_list_is_a_setting(tmp_pat
         assert r.status_code == 400 and r.json()["error"] == "invalid_host"  # 127.0.0.1 is not in this list
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site"])
+def test_a_browser_that_strips_origin_is_refused_by_its_fetch_metadata(open_server, jpegs, site):
+    """OWASP's Fetch Metadata policy: Sec-Fetch-Site marks a request from another origin even when an
+    extension or a privacy setting strips Origin (issue 53, item 3)."""
+    s = open_server
+    before = status(s)["samples_received"]
+    foreign = {"Sec-Fetch-Site": site}
+    r = httpx.post(f"{s.url}/samples", json={"label": "cat", "image": b64(jpegs[0][1])}, headers=foreign)
+    assert r.status_code == 403 and r.json()["error"] == "cross_site"
+    assert httpx.delete(f"{s.url}/classes/cat", headers=foreign).json()["error"] == "cross_site"
+    with pytest.raises(InvalidStatus) as refused:
+        connect(s.url.replace("http", "ws") + "/samples/ws", additional_headers=foreign)
+    assert refused.value.response.status_code == 403
+    assert status(s)["samples_received"] == before
+    assert httpx.get(f"{s.url}/status", headers=foreign).status_code == 200  # a read is safe
+
+
+def test_fetch_metadata_of_the_same_origin_or_the_user_passes_and_a_token_passes_all(tmp_path, jpegs):
+    s = Server(tmp_path, write_token="w").start()
+    try:
+        body = {"label": "cat", "image": b64(jpegs[0][1])}
+        auth = {"Authorization": "Bearer w"}
+        for site in ("same-origin", "none"):
+            r = httpx.post(f"{s.url}/samples", json=body, headers={**auth, "Sec-Fetch-Site": site})
+            assert r.status_code == 201, site
+        r = httpx.post(f"{s.url}/samples", json=body, headers={**auth, "Sec-Fetch-Site": "cross-site"})
+        assert r.status_code == 201  # a bearer token is no browser's ambient credential
+        with connect(s.url.replace("http", "ws") + "/samples/ws",
+                     additional_headers={**auth, "Sec-Fetch-Site": "cross-site"}) as ws:
+            ws.send(json.dumps(body))
+            assert json.loads(ws.recv())["accepted"] == 1
+    finally:
+        s.stop()

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from learner.snapshot_format import MAX_PIXELS, ImageRejected, read_image
+from clients.bench.image_costs import band_script, jpegtran_scans, lying_jpeg, repeat_last_scan, textured
+from learner.jpeg_structure import read_structure
+from learner.snapshot_format import MAX_PIXELS, MAX_SCANS, ImageRejected, read_image
 
 from .conftest import CIFAR10_ZIP, MINI_ZIP
 from .test_service import Server, b64, status, wait_trained
@@ -155,3 +157,86 @@ def test_the_service_and_the_onnx_client_apply_the_same_rule(tmp_path, photo):
 def read_png(data: bytes) -> bytes:
     """The image as the rule reads it, saved losslessly at the input size."""
     return encoded(Image.fromarray(read_image(data, 32).transpose(1, 2, 0)), "PNG")
+
+
+@pytest.fixture(scope="module")
+def jpegtran():
+    """libjpeg-turbo's jpegtran (Debian: libjpeg-turbo-progs), which scripts/test.sh installs."""
+    import shutil
+
+    if shutil.which("jpegtran") is None:
+        pytest.fail("jpegtran is missing: scripts/test.sh installs libjpeg-turbo-progs")
+
+
+def test_real_progressive_jpegs_are_read_up_to_the_scan_limit_and_refused_past_it(photo, jpegtran):
+    im = Image.open(io.BytesIO(photo))
+    pillow = encoded(im, "JPEG", progressive=True, quality=90)
+    assert read_structure(pillow).scans == 10 and read_image(pillow, 32).std() > 5
+    for scans in (12, MAX_SCANS):  # jpegtran's scan scripts: a few scans, and as many as its own limit
+        scripted = jpegtran_scans(photo, band_script(scans))
+        assert read_structure(scripted).scans == scans
+        assert np.abs(read_image(scripted, 32).astype(int) - read_image(photo, 32)).mean() < 1  # lossless
+    one_more = repeat_last_scan(jpegtran_scans(photo, band_script(MAX_SCANS)), at_most=1)
+    err = rejected(one_more)
+    assert (err.code, err.status) == ("too_many_scans", 422) and str(MAX_SCANS) in err.detail
+
+
+def test_a_scan_bomb_is_refused_before_decoding(photo):
+    bomb = repeat_last_scan(encoded(Image.open(io.BytesIO(photo)), "JPEG", progressive=True), until_bytes=400_000)
+    assert read_structure(bomb).scans > MAX_SCANS
+    err = rejected(bomb)
+    assert (err.code, err.status) == ("too_many_scans", 422)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_jpeg_whose_data_cannot_cover_its_declared_frame_is_corrupt(progressive):
+    lie = lying_jpeg(6000, 6000, progressive)  # under every size cap: only the data gives it away
+    assert len(lie) < 1000 and read_structure(lie).width == 6000
+    err = rejected(lie)
+    assert (err.code, err.status) == ("corrupt_image", 422) and "covered" in err.detail
+    honest = encoded(textured(600, 600), "JPEG", progressive=progressive, quality=10)
+    assert read_image(honest, 32).shape == (3, 32, 32)  # a small, flat but honest JPEG passes
+
+
+def test_a_progressive_jpeg_whose_coefficients_exceed_the_cap_is_refused():
+    big = encoded(Image.new("RGB", (4800, 4800), (90, 140, 200)), "JPEG", progressive=True, subsampling=0)
+    err = rejected(big)  # 4:4:4 at 4800x4800: 3 x 360,000 blocks x 128 bytes = 132 MiB buffered
+    assert (err.code, err.status) == ("too_many_pixels", 413) and "MiB" in err.detail
+    baseline = encoded(Image.new("RGB", (4800, 4800), (90, 140, 200)), "JPEG", subsampling=0)
+    assert read_image(baseline, 32).shape == (3, 32, 32)  # a baseline JPEG decodes at 1/8 scale: no buffer
+
+
+def test_lying_and_bombing_jpegs_are_refused_in_every_form_and_store_nothing(tmp_path, photo):
+    from clients.onnx_client import OnnxClassifier, SnapshotError
+
+    from .test_hardening import post_samples, stream_acks, ws_ack
+
+    hostile = {"lying": lying_jpeg(9000, 9000), "lying progressive": lying_jpeg(6000, 6000, progressive=True),
+               "scan bomb": repeat_last_scan(encoded(Image.open(io.BytesIO(photo)), "JPEG", progressive=True),
+                                             until_bytes=600_000)}
+    server = Server(tmp_path / "svc").start()
+    try:
+        assert post_samples(server, [("cat", photo)]).status_code == 201
+        for name, data in hostile.items():
+            one = {"label": "cat", "image": b64(data)}
+            answers = [post_samples(server, [("cat", data)]),
+                       httpx.post(f"{server.url}/samples", files={"image": ("x.jpg", data, "image/jpeg")},
+                                  data={"label": "cat"}, timeout=TIMEOUT),
+                       httpx.post(f"{server.url}/predict", json={"images": [b64(data)]}, timeout=TIMEOUT),
+                       httpx.post(f"{server.url}/predict", files={"image": ("x.jpg", data, "image/jpeg")},
+                                  timeout=TIMEOUT)]
+            codes = {r.json().get("error") for r in answers}
+            assert all(r.status_code == 422 for r in answers) and codes <= {"corrupt_image", "too_many_scans"}, \
+                (name, [(r.status_code, r.text[:100]) for r in answers])
+            assert stream_acks(server, [one])[0]["status"] == 422, name
+            assert ws_ack(server, one)["status"] == 422, name
+        assert status(server)["samples_received"] == 1
+        wait_trained(server, 1)
+        snap = httpx.post(f"{server.url}/snapshots", timeout=300).json()
+        onnx = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{snap['id']}").content)
+    finally:
+        server.stop()
+    for name, data in hostile.items():
+        (tmp_path / "hostile.jpg").write_bytes(data)
+        with pytest.raises(SnapshotError):
+            onnx.predict([tmp_path / "hostile.jpg"])

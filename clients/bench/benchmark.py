@@ -27,8 +27,12 @@ from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_set
 from learner.ncm import memory_ncm
 from learner.augment import AUGMENTATIONS
 from learner.base import SERVING_BN
+from learner.backbone import BACKBONES, make_backbone
 from learner.objective import LOSSES, STEPS
+from learner.pretrained import POOLED
+from learner.streaming import HEADS
 
+from .latents import encoded_dataset, frozen_forward_cpu_ms
 from .machine import machine_description, resolve_device
 from .realtime import DEFAULT_COST_MODEL, Stream, cost_model, simulate
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
@@ -209,7 +213,8 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         serving_bn=args.serving_bn, serving_bias=args.serving_bias, device=device, seed=seed,
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
-        feature_max_age=args.feature_max_age,
+        feature_max_age=args.feature_max_age, backbone=getattr(args, "backbone_object", None),
+        **({"serving_head": args.serving_head} if args.serving_head else {}),
     )
 
 
@@ -229,27 +234,67 @@ def pass_steps(args, data: ImageDataset, classes: list[int]) -> int:
 
 def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen, run: dict, bar,
                evaluate_after: bool) -> None:
-    """Observe one pass's mini-batches once each; for a task, evaluate on every task after it."""
+    """Observe one pass's mini-batches once each; for a task, evaluate on every task after it, and
+    on the classes seen so far once each new class has sent ANYTIME_POINTS images (`anytime`)."""
     one_class = args.one_class_batches and evaluate_after
     t0, cpu0 = time.perf_counter(), time.process_time()
     if evaluate_after:
         learner.begin_task(classes)
     replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
+    anytime = AnytimeProbe(data, data.tasks(args.tasks), len(run["matrix"]), classes) if evaluate_after else None
     for x, y in task_batches(data, classes, args.batch_size, stream_gen, one_class):
         stats = learner.observe(x, y)
         replayed += stats.get("replayed", 0)
         incoming += stats.get("replayed_incoming", 0)
+        if anytime is not None:
+            anytime.after_batch(learner, y, run)
         bar.update(1)
     if evaluate_after:
         learner.end_task()
-    run["train_seconds"] += time.perf_counter() - t0
+    probing = (anytime.wall, anytime.cpu) if anytime is not None else (0.0, 0.0)
+    run["train_seconds"] += time.perf_counter() - t0 - probing[0]
     # the process's CPU seconds: what the step costs, whatever else the machine runs beside it
-    run["train_cpu_seconds"] = run.get("train_cpu_seconds", 0.0) + time.process_time() - cpu0
+    run["train_cpu_seconds"] = run.get("train_cpu_seconds", 0.0) + time.process_time() - cpu0 - probing[1]
     if not evaluate_after:
         return
     if replayed:  # % of replayed samples whose class is in the incoming batch
         run["replay_share"].append(round(100 * float(incoming) / replayed, 2))
     record(evaluate(learner, data, data.tasks(args.tasks), seen=len(run["matrix"]) + 1), run)
+
+
+ANYTIME_POINTS = (10, 100, 1000)  # images of each new class
+
+
+class AnytimeProbe:
+    """Accuracy on the classes seen so far (every earlier task's and the current one's) at the
+    moment each of the current task's classes has sent N images, for N in ANYTIME_POINTS: how
+    useful the service is while a class is still young. Its time is not training time."""
+
+    def __init__(self, data: ImageDataset, tasks: list[list[int]], task_index: int, classes: list[int]):
+        seen = [c for t in tasks[:task_index + 1] for c in t]
+        self.test = task_test_set(data, seen)
+        self.classes = torch.tensor(classes)
+        self.counts = torch.zeros(len(classes), dtype=torch.long)
+        self.pending = list(ANYTIME_POINTS)
+        self.wall = self.cpu = 0.0
+
+    def after_batch(self, learner, labels: torch.Tensor, run: dict) -> None:
+        self.counts += (labels.cpu()[:, None] == self.classes[None, :]).sum(0)
+        while self.pending and int(self.counts.min()) >= self.pending[0]:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            learner.refresh_serving()
+            accuracy = percent_correct(learner.predict(self.test[0]).cpu(), self.test[1])
+            run.setdefault("anytime", {}).setdefault(str(self.pending.pop(0)), []).append(round(accuracy, 2))
+            self.wall += time.perf_counter() - t0
+            self.cpu += time.process_time() - cpu0
+
+
+def anytime_summary(run: dict) -> dict:
+    """Each point's accuracy averaged over the tasks that reached it, and the per-task lists."""
+    by_task = run.get("anytime", {})
+    if not by_task:
+        return {}
+    return {"anytime": {n: round(sum(v) / len(v), 2) for n, v in by_task.items()}, "anytime_by_task": by_task}
 
 
 def result_record(args, data: ImageDataset, seed: int, device: torch.device, learner, run: dict) -> dict:
@@ -270,8 +315,10 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         **matrix_summary(matrix),
         **ncm,
         **({"replay_incoming_share": run["replay_share"]} if run["replay_share"] else {}),
+        **anytime_summary(run),
         "train_seconds": round(run["train_seconds"], 2),
         **({"train_cpu_seconds": round(run["train_cpu_seconds"], 2)} if "train_cpu_seconds" in run else {}),
+        **backbone_record(args, data, learner),
         "steps": learner.steps,
         **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
@@ -288,6 +335,8 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
+            **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),
+            **({"serving_head": args.serving_head} if args.serving_head else {}),
         },
         "device": str(device),
         "machine": " + ".join(run["machines"]),
@@ -295,6 +344,19 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         "command": _command(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def backbone_record(args, data: ImageDataset, learner) -> dict:
+    """Memory bytes (a slot's stored form times M), and on a pretrained backbone the frozen forward's
+    CPU seconds for the run's stream (its measured cost an image times the training images; the
+    benchmark reuses cached latents, the service pays it per image)."""
+    buffer = getattr(learner, "buffer", None)
+    out = {"memory_bytes": buffer.capacity * learner.backbone.slot_bytes} if buffer is not None else {}
+    if args.backbone != "scratch":
+        ms = args.frozen_forward_cpu_ms
+        out |= {"frozen_forward_cpu_ms": round(ms, 3),
+                "frozen_forward_cpu_seconds": round(ms * int(data.train_y.numel()) / 1000, 2)}
+    return out
 
 
 # the serving head under the other corrections on the memory (`evaluate`)
@@ -353,6 +415,11 @@ def cmd_run(args) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.backbone != "scratch":
+        if args.via or args.stream_rate:
+            print("error: --backbone is for in-process runs on the ordinary protocol", file=sys.stderr)
+            return 2
+        data = with_backbone(args, data)
     if args.calibrate_only:
         args.stream_rate = args.stream_rate or "1x"
         costs, rate = stream_costs(args, data, resolve_device(args.device))
@@ -378,6 +445,15 @@ def cmd_run(args) -> int:
         if checkpoint:
             checkpoint.unlink(missing_ok=True)  # the run is complete: nothing to resume
     return 0
+
+
+def with_backbone(args, data: ImageDataset) -> ImageDataset:
+    """Build the run's pretrained backbone, time its frozen forward on this thread, and give the
+    dataset as its cached latents (`clients.bench.latents`)."""
+    args.backbone_object = make_backbone(args.backbone, data.image_shape, args.input_size, args.cut,
+                                         args.latent_bits)
+    args.frozen_forward_cpu_ms = frozen_forward_cpu_ms(args.backbone_object, data.train_x)
+    return encoded_dataset(data, args.backbone_object, args.cache_dir)
 
 
 def cmd_table(args) -> int:
@@ -485,7 +561,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint", metavar="PATH",
                      help="save the run's state here after each task and, if PATH holds one of this run, go on "
                           "from it ({seed} is replaced; several seeds add -seedN); deleted once the run is done")
-    run.add_argument("--cache-dir", help="where decoded image folders are cached")
+    run.add_argument("--cache-dir", help="where decoded image folders (and a backbone's latents) are cached")
+    run.add_argument("--backbone", choices=BACKBONES, default="scratch",
+                     help="scratch: the paper's reduced ResNet18 from random weights; lite0: EfficientNet-Lite0's "
+                          "ImageNet weights frozen below --cut, the memory holding latents (learner.backbone)")
+    run.add_argument("--input-size", type=int, default=128, help="with --backbone lite0: pixels a side it sees")
+    run.add_argument("--cut", type=int, default=POOLED,
+                     help=f"with --backbone lite0: blocks below this index are frozen ({POOLED}: the pooled "
+                          "features, only the linear head trains)")
+    run.add_argument("--serving-head", choices=HEADS,
+                     help="with --backbone lite0: serve a streaming head on the frozen features (ncm: the nearest "
+                          "class mean, slda: streaming LDA) instead of the trained one; the memory still trains the top")
+    run.add_argument("--latent-bits", type=int, choices=(8, 16), default=16,
+                     help="with --backbone lite0: bits a stored latent value (8: the pooled cut only)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--via", metavar="URL", help="stream through the running service at URL instead of in-process "
                      "(its ASER_* settings decide the learner; it must be fresh)")

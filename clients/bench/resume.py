@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from learner.data import ImageDataset
+from learner.pretrained import POOLED
 
 # the settings that decide a run's trajectory; threads, device and output paths do not
 IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "batch_size", "replay_batch",
@@ -28,7 +29,9 @@ IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "ba
                  "bf16_latent", "compile", "train_per_class", "test_per_class")
 # later options: named only when set, so checkpoints written before they existed still match
 OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100, "distill": 0.0,
-                   "serving_bn": "average", "serving_bias": False}
+                   "serving_bn": "average", "serving_bias": False, "backbone": "scratch", "input_size": 128,
+                   "cut": POOLED, "latent_bits": 16,
+                   "serving_head": None}
 
 
 class CheckpointMismatch(ValueError):

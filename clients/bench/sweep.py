@@ -96,6 +96,9 @@ class RunSpec:
         >>> RunSpec("cifar10", "er", 1000, "joint", "ace", "fp32", 0, True, 2, 0.99,
         ...         extra=(("lean_when_behind", True), ("max_lag", 10), ("stream_rate", "4x"))).file_name()
         'er-ace-aug-it2-ema0.99-rate4x-lag10-lean-m1000-seed0.json'
+        >>> RunSpec("cifar10", "cb-sv-duel", 200, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
+        ...         ("cut", 15), ("serving_head", "slda"), ("lr", 0.01))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut15-serveslda-lr0.01-m200-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -121,6 +124,16 @@ class RunSpec:
             parts.append(f"kd{extra['distill']:g}")
         if extra.get("replay_batch", 10) != 10:
             parts.append(f"rb{extra['replay_batch']}")
+        if extra.get("serving_bias"):
+            parts.append("bias")
+        if extra.get("backbone", "scratch") != "scratch":  # the pretrained backbone's settings
+            parts.append(f"{extra['backbone']}-{extra.get('input_size', 128)}px-cut{extra.get('cut', 17)}")
+            if extra.get("latent_bits", 16) != 16:
+                parts.append(f"{extra['latent_bits']}bit")
+        if "serving_head" in extra:
+            parts.append(f"serve{extra['serving_head']}")
+        if "lr" in extra:
+            parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:
             parts.append(f"m{self.mem_size}")
         return "-".join(parts) + f"-seed{self.seed}.json"

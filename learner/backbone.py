@@ -1,0 +1,193 @@
+"""What a learner trains and what its memory stores: the backbone.
+
+- `scratch`: the paper's reduced ResNet18, trained whole from random weights; the memory keeps
+  the raw uint8 pixels (the research protocol).
+- `lite0`: EfficientNet-Lite0's ImageNet weights (`learner.pretrained`), frozen below a cut; the
+  memory keeps the frozen part's output at the cut (latent replay), so a replayed sample costs
+  only the trainable top. `encode` runs the frozen part once per incoming image.
+
+Every learner talks to its backbone through the same few verbs (`make_model`, `encode`,
+`to_input`, `features`), so memory policies, objectives and the serving average compose with
+either unchanged: to them a stored sample is a tensor of `stored_shape`.
+
+>>> import torch
+>>> scratch = ScratchBackbone((3, 32, 32))
+>>> scratch.stored_shape, scratch.stored_dtype
+((3, 32, 32), torch.uint8)
+>>> lite = PretrainedBackbone(input_size=96, cut=POOLED, latent_bits=8)
+>>> stored = lite.encode(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
+>>> stored.shape, stored.dtype, lite.slot_bytes
+(torch.Size([2, 1280]), torch.uint8, 1280)
+>>> top = lite.make_model(num_classes=3, seed=0)
+>>> top(lite.to_input(stored)).shape
+torch.Size([2, 3])
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .model import ReducedResNet18, fold_batchnorm, scale_pixels
+from .pretrained import FEATURE_DIM, NUM_BLOCKS, POOLED, load_lite0
+
+BACKBONES = ("scratch", "lite0")
+POOLED_RANGE = 6.0  # the pooled features follow ReLU6: [0, 6], so 8 bits quantise them on a fixed grid
+
+
+class ScratchBackbone:
+    """The reduced ResNet18 from random weights; stored samples are the images themselves."""
+    name = "scratch"
+    trains_bn = True
+
+    def __init__(self, image_shape: tuple[int, int, int], channels_last: bool = False):
+        self.image_shape = tuple(image_shape)
+        self.stored_shape, self.stored_dtype = self.image_shape, torch.uint8
+        self.channels_last = channels_last
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(torch.tensor(self.stored_shape).prod())
+
+    def make_model(self, num_classes: int, seed: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return ReducedResNet18(num_classes, input_size=self.image_shape[1])
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != self.image_shape:
+            raise ValueError(f"expected uint8 images [b, {', '.join(map(str, self.image_shape))}], "
+                             f"got {images.dtype} {tuple(images.shape)}")
+        return images
+
+    def to_input(self, stored: torch.Tensor) -> torch.Tensor:
+        x = scale_pixels(stored)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+    def features(self, net: nn.Module, dtype: torch.dtype | None = None):
+        """Eval-mode f_ext of `net`, BatchNorm folded (`learner.model.fold_batchnorm`)."""
+        return fold_batchnorm(net, dtype)
+
+    def identity(self) -> dict:
+        return {"backbone": self.name}
+
+
+class LatentTop(nn.Module):
+    """The trainable part above the cut: Lite0's blocks from the cut, its head convolution, the
+    pooling, and a linear head that grows with the classes. BatchNorm keeps the pretrained
+    statistics: `train()` leaves every BatchNorm in eval mode (its scale and shift still train)."""
+
+    def __init__(self, frozen, cut: int, num_classes: int):
+        super().__init__()
+        self.cut = cut
+        self.blocks = copy.deepcopy(frozen.blocks[cut:NUM_BLOCKS]) if cut < POOLED else nn.ModuleList()
+        self.conv_head = copy.deepcopy(frozen.head) if cut <= NUM_BLOCKS else nn.Identity()
+        self.blocks.requires_grad_(True)
+        self.conv_head.requires_grad_(True)
+        self.head = nn.Linear(FEATURE_DIM, num_classes)
+        self.feature_dim = FEATURE_DIM
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return self.head.out_features
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cut == POOLED:
+            return x
+        for block in self.blocks:
+            x = block(x)
+        return self.conv_head(x).mean((2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    grow = ReducedResNet18.grow
+
+
+@dataclass
+class PretrainedBackbone:
+    """EfficientNet-Lite0's ImageNet weights, frozen below `cut` (a block index, or `POOLED`: only
+    the linear head trains); latents stored in fp16 (`latent_bits` 16) or, pooled, 8 bits."""
+    input_size: int = 128
+    cut: int = POOLED
+    latent_bits: int = 16
+    name = "lite0"
+    trains_bn = False
+
+    def __post_init__(self):
+        if not 0 <= self.cut <= POOLED:
+            raise ValueError(f"the cut must be a block index 0..{NUM_BLOCKS} or {POOLED} (pooled), got {self.cut}")
+        if self.latent_bits not in (8, 16) or (self.latent_bits == 8 and self.cut != POOLED):
+            raise ValueError("latents are stored in 16 bits, or in 8 at the pooled cut (ReLU6's fixed range)")
+        self.frozen = load_lite0(self.input_size)
+        self.stored_shape = self.frozen.latent_shape(self.cut)
+        self.stored_dtype = torch.uint8 if self.latent_bits == 8 else torch.float16
+        self.channels_last = False
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(torch.tensor(self.stored_shape).prod()) * self.latent_bits // 8
+
+    def make_model(self, num_classes: int, seed: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return LatentTop(self.frozen, self.cut, num_classes)
+
+    def is_stored(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.stored_dtype and tuple(x.shape[1:]) == self.stored_shape
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images [b, 3, H, W] (any size: resized to `input_size`) -> stored latents; latents
+        already stored pass through."""
+        if self.is_stored(images):
+            return images
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"expected uint8 images [b, 3, H, W] or stored latents {self.stored_shape}, "
+                             f"got {images.dtype} {tuple(images.shape)}")
+        self.frozen.to(images.device)
+        return self.quantise(self.frozen.lower(images, self.cut))
+
+    def quantise(self, latent: torch.Tensor) -> torch.Tensor:
+        if self.latent_bits == 8:
+            return (latent.clamp(0, POOLED_RANGE) * (255 / POOLED_RANGE)).round().to(torch.uint8)
+        return latent.to(torch.float16)
+
+    def to_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Stored latents (or images, encoded first) -> the top's float input."""
+        stored = self.encode(x)
+        return stored.float() * (POOLED_RANGE / 255) if self.latent_bits == 8 else stored.float()
+
+    def features(self, net: nn.Module, dtype: torch.dtype | None = None):
+        """Eval-mode pooled features of the top `net` (its BatchNorm is always in eval mode)."""
+        return net.features
+
+    @torch.no_grad()
+    def frozen_features(self, stored: torch.Tensor) -> torch.Tensor:
+        """The frozen network's pooled features of stored latents (what the streaming heads see)."""
+        x = self.to_input(stored)
+        self.frozen.to(x.device)
+        return self.frozen.upper(x, self.cut)
+
+    def identity(self) -> dict:
+        return {"backbone": self.name, "input_size": self.input_size, "cut": self.cut,
+                "latent_bits": self.latent_bits, "weights_sha256": self.frozen.weights_sha256}
+
+
+def make_backbone(name: str, image_shape: tuple[int, int, int] = (3, 32, 32), input_size: int = 128,
+                  cut: int = POOLED, latent_bits: int = 16, channels_last: bool = False):
+    if name == "scratch":
+        return ScratchBackbone(image_shape, channels_last)
+    if name == "lite0":
+        return PretrainedBackbone(input_size, cut, latent_bits)
+    raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}")

@@ -1,0 +1,172 @@
+"""Heads that learn from a stream without replay: the nearest class mean and streaming LDA.
+
+On frozen features both are exact whatever the order of the stream: they keep sufficient
+statistics (counts, class sums, the sum of outer products), update them in O(b d^2) a batch of b,
+and solve only when a served head is asked for (`head()`). Classes may arrive at any time, in any
+number (unlike Avalanche's StreamingLDA, which fixes the class count up front and inverts a
+d x d matrix after every sample).
+
+Streaming LDA (Hayes & Kanan, CVPR-W 2020) with one shared covariance: the within-class scatter is
+S_w = sum x x^T - sum_c s_c s_c^T / n_c, exactly that of the data seen so far; the served head is
+the linear one w_c = P mu_c, b_c = -mu_c^T P mu_c / 2 with P = (S_w / N + shrinkage I)^-1.
+
+>>> import torch
+>>> g = torch.Generator().manual_seed(0)
+>>> x = torch.cat([torch.randn(50, 4, generator=g) + 3, torch.randn(50, 4, generator=g) - 3])
+>>> y = torch.tensor([2] * 50 + [5] * 50)
+>>> lda = StreamingLDA(dim=4)
+>>> for i in range(0, 100, 10):
+...     lda.update(x[i:i + 10], y[i:i + 10])
+>>> lda.classes(), (lda.head().predict(x) == y).float().mean().item()
+([2, 5], 1.0)
+>>> ncm = StreamingClassMeans(dim=4)
+>>> ncm.update(x, y)
+>>> (ncm.head().predict(x) == y).float().mean().item()
+1.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HEADS = ("ncm", "slda", "slda-oas")  # slda-oas: streaming LDA with the OAS shrinkage
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """A solved head: logits = x W^T + b over its `class_ids`; unseen classes get no row."""
+    class_ids: torch.Tensor  # [c]
+    weight: torch.Tensor  # [c, d]
+    bias: torch.Tensor  # [c]
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return features.to(self.weight.dtype) @ self.weight.T + self.bias
+
+    def predict(self, features: torch.Tensor) -> torch.Tensor:
+        return self.class_ids[self.logits(features).argmax(1)]
+
+    def full_logits(self, features: torch.Tensor, num_classes: int, margin: float = 1e4) -> torch.Tensor:
+        """Logits over class ids 0..num_classes-1; a class this head has not seen (or forgot) gets its
+        row's lowest logit less `margin` (LDA's logits may lie far below zero: a fixed fill could win)."""
+        logits = self.logits(features).float()
+        floor = (logits.min(1).values if logits.shape[1] else torch.zeros(len(features))) - margin
+        out = floor[:, None].expand(-1, num_classes).clone()
+        out[:, self.class_ids] = logits
+        return out
+
+
+class StreamingClassMeans:
+    """Class sums and counts; the head is the nearest class mean in Euclidean distance, written
+    as a linear head (w_c = mu_c, b_c = -|mu_c|^2 / 2)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.sums = torch.zeros(0, dim, dtype=torch.float64)
+        self.counts = torch.zeros(0, dtype=torch.float64)
+
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        self._grow(int(labels.max()) + 1)
+        x = features.detach().to("cpu", torch.float64)
+        self.sums.index_add_(0, labels.cpu(), x)
+        self.counts.index_add_(0, labels.cpu(), torch.ones(len(labels), dtype=torch.float64))
+
+    def _grow(self, n: int) -> None:
+        if n > len(self.counts):
+            extra = n - len(self.counts)
+            self.sums = torch.cat([self.sums, torch.zeros(extra, self.dim, dtype=torch.float64)])
+            self.counts = torch.cat([self.counts, torch.zeros(extra, dtype=torch.float64)])
+
+    def classes(self) -> list[int]:
+        return torch.nonzero(self.counts > 0).flatten().tolist()
+
+    def forget(self, class_id: int) -> None:
+        if class_id < len(self.counts):
+            self.sums[class_id] = 0
+            self.counts[class_id] = 0
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.nonzero(self.counts > 0).flatten()
+        return ids, self.sums[ids] / self.counts[ids, None]
+
+    def head(self) -> LinearHead:
+        ids, mu = self.means()
+        return LinearHead(ids, mu.float(), (-(mu * mu).sum(1) / 2).float())
+
+    def state_dict(self) -> dict:
+        return {"sums": self.sums.clone(), "counts": self.counts.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums, self.counts = state["sums"].clone(), state["counts"].clone()
+
+
+def oas_shrinkage(covariance: torch.Tensor, n: float) -> float:
+    """The Oracle Approximating Shrinkage weight (Chen et al. 2010; scikit-learn's `oas`) of an
+    empirical covariance from `n` samples: how far to pull it towards mu I, mu its mean variance."""
+    p = covariance.shape[0]
+    mu = float(torch.trace(covariance)) / p
+    alpha = float((covariance ** 2).mean())
+    den = (n + 1.0) * (alpha - mu ** 2 / p)
+    return 1.0 if den <= 0 else min((alpha + mu ** 2) / den, 1.0)
+
+
+class StreamingLDA(StreamingClassMeans):
+    """Class means plus the sum of outer products: linear discriminant analysis with one shared,
+    shrunk covariance. `shrinkage`: a constant added to the covariance's diagonal (Hayes & Kanan use
+    1e-4), or "oas": the covariance pulled towards its mean variance by the OAS weight, which is large
+    while few samples are in and fades as they come."""
+
+    def __init__(self, dim: int, shrinkage: float | str = 1e-4):
+        super().__init__(dim)
+        self.shrinkage = shrinkage
+        self.outer = torch.zeros(dim, dim, dtype=torch.float64)
+
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        super().update(features, labels)
+        x = features.detach().to("cpu", torch.float64)
+        self.outer.addmm_(x.T, x)
+
+    def forget(self, class_id: int) -> None:
+        # a forgotten class's samples leave the covariance too: its scatter is s s^T / n plus what
+        # its own outer products added, which only the samples themselves know; keep the shared
+        # covariance (it describes the features, not the class) and drop the mean
+        super().forget(class_id)
+
+    def covariance(self) -> torch.Tensor:
+        ids = torch.nonzero(self.counts > 0).flatten()
+        n = self.counts[ids].sum()
+        sums = self.sums[ids]
+        between = (sums / self.counts[ids, None]).T @ sums
+        return (self.outer - between) / max(float(n), 1.0)
+
+    def head(self) -> LinearHead:
+        ids, mu = self.means()
+        if len(ids) == 0:
+            return LinearHead(ids, mu.float(), torch.zeros(0))
+        cov = self.covariance()
+        if self.shrinkage == "oas":
+            rho, variance = oas_shrinkage(cov, float(self.counts.sum())), float(torch.trace(cov)) / self.dim
+            cov = (1 - rho) * cov + rho * variance * torch.eye(self.dim, dtype=torch.float64)
+        else:
+            cov = cov + self.shrinkage * torch.eye(self.dim, dtype=torch.float64)
+        weight = torch.linalg.solve(cov, mu.T).T  # [c, d] = mu_c^T P (P is symmetric)
+        bias = -(weight * mu).sum(1) / 2
+        return LinearHead(ids, weight.float(), bias.float())
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "outer": self.outer.clone(), "shrinkage": self.shrinkage}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.outer, self.shrinkage = state["outer"].clone(), state["shrinkage"]
+
+
+def make_head(name: str, dim: int, shrinkage: float | str = 1e-4) -> StreamingClassMeans:
+    if name == "ncm":
+        return StreamingClassMeans(dim)
+    if name == "slda":
+        return StreamingLDA(dim, shrinkage)
+    if name == "slda-oas":
+        return StreamingLDA(dim, "oas")
+    raise ValueError(f"unknown streaming head {name!r}; choose one of {', '.join(HEADS)}")

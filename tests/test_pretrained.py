@@ -1,0 +1,153 @@
+"""The pretrained edge backbone (EfficientNet-Lite0's ImageNet weights): the weights answer like an
+ImageNet classifier, the frozen part never trains, the memory holds the frozen part's latents, the
+streaming heads are exact, and a learner on it resumes bit for bit and forgets a class whole.
+Real weights (the package's file), real CIFAR-10 and Mini-ImageNet images."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from clients.bench.benchmark import main
+from learner import make_learner
+from learner.backbone import PretrainedBackbone
+from learner.pretrained import POOLED, load_lite0
+from learner.streaming import StreamingLDA
+
+from .conftest import CIFAR10_ZIP, MINI_ZIP, ROOT
+
+# ImageNet-1k's class ids in index order, from timm (timm/data/_info/imagenet_synsets.txt); sorted wnids
+SYNSETS = (ROOT / "tests" / "data" / "imagenet_synsets.txt").read_text().split()
+
+
+def mini_imagenet_sample(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `per_class` images of each Mini-ImageNet class, labelled with ImageNet's index."""
+    images, labels = [], []
+    with zipfile.ZipFile(MINI_ZIP) as z:
+        names = z.namelist()
+        for wnid in z.read("mini-imagenet/classes.txt").decode().split():
+            for name in sorted(n for n in names if n.startswith(f"mini-imagenet/{wnid}/"))[:per_class]:
+                image = Image.open(io.BytesIO(z.read(name))).convert("RGB")
+                images.append(np.asarray(image).transpose(2, 0, 1))
+                labels.append(SYNSETS.index(wnid))
+    return torch.from_numpy(np.stack(images)), torch.tensor(labels)
+
+
+def test_the_imagenet_weights_answer_like_an_imagenet_classifier():
+    # measured: 48% top-1 on 2 images a class at 224 px; chance is 0.1%, a wrong key map or scaling
+    # gives near chance
+    images, labels = mini_imagenet_sample(per_class=1)
+    net = load_lite0(input_size=224)
+    with torch.no_grad():
+        predicted = torch.cat([net(chunk) for chunk in images.split(25)]).argmax(1)
+    assert (predicted == labels).float().mean() >= 0.30
+
+
+@pytest.fixture(scope="module")
+def stream(cifar10_slice):
+    """Ten batches of ten CIFAR-10 training images over four classes."""
+    keep = torch.nonzero(cifar10_slice.train_y < 4).flatten()
+    pick = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(0))[:100]]
+    x, y = cifar10_slice.train_x[pick], cifar10_slice.train_y[pick]
+    return list(zip(x.split(10), y.split(10)))
+
+
+def lite0_learner(cut: int, method: str = "cb-sv-duel", seed: int = 0, **options):
+    backbone = PretrainedBackbone(input_size=64, cut=cut)
+    return make_learner(method, 4, mem_size=30, loss="ace", iterations=2, ema_decay=0.99, backbone=backbone,
+                        seed=seed, lr=0.01, **options)
+
+
+def test_the_frozen_part_never_changes_and_the_memory_holds_its_latents(stream):
+    learner = lite0_learner(cut=14)
+    frozen_before = {k: v.clone() for k, v in learner.backbone.frozen.state_dict().items()}
+    top_before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    for x, y in stream:
+        learner.observe(x, y)
+    assert all(torch.equal(v, learner.backbone.frozen.state_dict()[k]) for k, v in frozen_before.items())
+    assert not all(torch.equal(v, learner.model.state_dict()[k]) for k, v in top_before.items())
+    # the pretrained BatchNorm statistics stay: only scale and shift train in the top
+    bn = [k for k in top_before if "running_" in k]
+    assert bn and all(torch.equal(top_before[k], learner.model.state_dict()[k]) for k in bn)
+
+    buffer = learner.buffer
+    assert len(buffer) == 30 and buffer.images.dtype == torch.float16
+    assert tuple(buffer.images.shape[1:]) == (192, 2, 2)  # block 14's input at 64 px
+    images = torch.cat([x for x, _ in stream])
+    with torch.no_grad():
+        fresh = learner.backbone.frozen.lower(images, 14).half()
+    # each stored latent is the fresh forward of one of the stream's images
+    match = [(fresh == buffer.images[i]).flatten(1).all(1).nonzero().numel() for i in range(len(buffer))]
+    assert all(m >= 1 for m in match)
+
+
+def test_a_learner_on_the_pretrained_backbone_resumes_bit_for_bit(stream):
+    learner = lite0_learner(cut=15, serving_head="slda")
+    for x, y in stream[:5]:
+        learner.observe(x, y)
+    resumed = lite0_learner(cut=15, serving_head="slda")
+    resumed.load_state_dict(learner.state_dict())
+    for x, y in stream[5:]:
+        learner.observe(x, y)
+        resumed.observe(x, y)
+    test = torch.cat([x for x, _ in stream[:3]])
+    assert torch.equal(learner.logits(test), resumed.logits(test))
+    assert torch.equal(learner.logits(test, serving=False), resumed.logits(test, serving=False))
+    assert torch.equal(learner.buffer.images, resumed.buffer.images)
+
+
+def test_a_state_from_the_other_backbone_is_refused_naming_the_setting(stream):
+    scratch = make_learner("cb-sv-duel", 4, mem_size=30)
+    with pytest.raises(ValueError, match="backbone"):
+        lite0_learner(cut=POOLED).load_state_dict(scratch.state_dict())
+    with pytest.raises(ValueError, match="backbone"):
+        scratch.load_state_dict(lite0_learner(cut=POOLED).state_dict())
+
+
+def test_forget_removes_the_class_latents_and_its_streaming_statistics(stream):
+    learner = lite0_learner(cut=POOLED, serving_head="ncm")
+    for x, y in stream:
+        learner.observe(x, y)
+    assert 2 in learner.buffer.class_counts()
+    removed = learner.forget_class(2)
+    assert removed > 0 and 2 not in learner.buffer.class_counts()
+    assert 2 not in learner.stream_head.classes()
+    assert (learner.predict(torch.cat([x for x, _ in stream])) != 2).all()
+
+
+def test_streaming_lda_is_the_batch_lda_whatever_the_order():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(300, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (300,), generator=g)
+    x[:, 0] += 2 * y  # a class signal along one axis
+    forward, backward = StreamingLDA(6), StreamingLDA(6)
+    for i in range(0, 300, 7):
+        forward.update(x[i:i + 7], y[i:i + 7])
+    for i in reversed(range(0, 300, 13)):
+        backward.update(x[i:i + 13], y[i:i + 13])
+    # the batch computation: the pooled within-class covariance
+    means = torch.stack([x[y == c].mean(0) for c in range(5)])
+    centred = x - means[y]
+    covariance = centred.T @ centred / 300
+    assert torch.allclose(forward.covariance(), covariance, atol=1e-10)
+    assert torch.allclose(backward.covariance(), covariance, atol=1e-10)
+    a, b = forward.head(), backward.head()
+    assert torch.allclose(a.weight, b.weight, atol=1e-4) and torch.equal(a.class_ids, b.class_ids)
+    expected = torch.linalg.solve(covariance + 1e-4 * torch.eye(6, dtype=torch.float64), means.T).T
+    assert torch.allclose(a.weight.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_benchmark_runs_the_pretrained_backbone_and_records_anytime_accuracy(tmp_path, cache_dir):
+    out = tmp_path / "slda.json"
+    assert main(["run", "--dataset", "cifar10", "--data", str(CIFAR10_ZIP), "--train-per-class", "20",
+                 "--test-per-class", "10", "--method", "slda", "--backbone", "lite0", "--input-size", "64",
+                 "--threads", "1", "--quiet", "--cache-dir", str(cache_dir), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["anytime"]) == {"10"} and len(result["anytime_by_task"]["10"]) == 5
+    assert result["anytime_by_task"]["10"][0] > 50  # two classes from ten images each: better than a coin
+    assert result["frozen_forward_cpu_seconds"] > 0 and result["settings"]["backbone"]["cut"] == POOLED
