@@ -2,7 +2,7 @@
 # The GPU path, checked and measured in one command: the suite's GPU tests (tests marked `gpu`),
 # step times per method on the GPU in fp32, bf16 and bf16 + torch.compile, and with FULL=1 one full Split
 # CIFAR-10 run of the best configuration, of the class-balanced ASER memory and of the same with a replay batch of 20
-# (what the service runs on a GPU), timed end to end. Figures go to results/gpu-<device>.json (and the speed files
+# (what the service runs on a GPU), timed end to end. Figures go to results/gpu/<device>/gpu-check.json (and the speed files
 # beside it). Without CUDA it says so and exits 0.
 #
 #   bash scripts/gpu-check.sh            # after scripts/install.sh (or with PYTHON=...)
@@ -46,7 +46,7 @@ for mode in "" "--bf16" "--bf16 --compile"; do
   [ "${SPEED:-1}" = 0 ] && break  # SPEED=0: keep the speed files already in results/
   name=speed-cuda-$slug$(echo "$mode" | tr -d ' ' | sed 's/--/-/g')
   cases=""; [[ $mode == *compile* ]] && cases="--cases $COMPILE_CASES"
-  $stage "$PY" -m clients.bench.benchmark speed --device cuda $mode $cases --out "results/$name.json" 2>&1 | tail -3
+  $stage "$PY" -m clients.bench.benchmark speed --device cuda $mode $cases --out "results/speed/$name.json" 2>&1 | tail -3
 done
 if [ "${FULL:-0}" = 1 ]; then
   # the best reservoir, the class-balanced ASER memory and what the service runs on a GPU (the same with a replay
@@ -71,7 +71,7 @@ cases = [{"test": c.get("classname", "") + "::" + c.get("name", ""), "seconds": 
           else "skipped" if c.find("skipped") is not None else "passed"}
          for c in (ET.parse(junit).iter("testcase") if os.path.exists(junit) else [])]  # none: the stage ran out
 count = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
-speed = {p: json.load(open(p)) for p in sorted(glob.glob(f"results/speed-cuda-{slug}*.json"))}
+speed = {p: json.load(open(p)) for p in sorted(glob.glob(f"results/speed/speed-cuda-{slug}*.json"))}
 full = {p: {k: json.load(open(p))[k] for k in ("method", "average_accuracy", "train_seconds", "steps")}
         for p in sorted(glob.glob(f"results/gpu/{slug}/*.json"))}
 record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -80,7 +80,8 @@ record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "c
           "full_runs": full, "command": "bash scripts/gpu-check.sh",
           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
           "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-out = f"results/gpu-{slug}.json"
+out = f"results/gpu/{slug}/gpu-check.json"
+os.makedirs(os.path.dirname(out), exist_ok=True)
 open(out, "w").write(json.dumps(record, indent=2) + "\n")
 print(f"wrote {out}: {count['passed']} passed, {count['failed']} failed, {count['skipped']} skipped")
 sys.exit(1 if count["failed"] or not count["passed"] else 0)

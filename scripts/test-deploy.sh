@@ -6,7 +6,7 @@
 # that nothing acknowledged was lost, and removes every container, volume and network it made,
 # whether the checks pass or not.
 #
-#   bash scripts/test-deploy.sh [--out results/deploy-compose.json]
+#   bash scripts/test-deploy.sh [--out results/deploy/deploy-compose.json]
 #
 # On a machine that reaches no image registry it makes what the build needs locally: a Docker
 # engine from Debian's docker.io (dockerd started when none answers), a python:3.11-slim

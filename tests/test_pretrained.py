@@ -151,3 +151,6 @@ def test_the_benchmark_runs_the_pretrained_backbone_and_records_anytime_accuracy
     assert set(result["anytime"]) == {"10"} and len(result["anytime_by_task"]["10"]) == 5
     assert result["anytime_by_task"]["10"][0] > 50  # two classes from ten images each: better than a coin
     assert result["frozen_forward_cpu_seconds"] > 0 and result["settings"]["backbone"]["cut"] == POOLED
+    table = tmp_path / "table.md"
+    assert main(["table", str(tmp_path), "--out", str(table)]) == 0
+    assert "slda (20/class, lite0 64px cut 17)" in table.read_text() and "anytime @10" in table.read_text()

@@ -421,7 +421,7 @@ def server_with_snapshot(tmp_path_factory, jpegs):
 def test_torture_concurrent_use_and_kills_lose_nothing(tmp_path):
     """Ingest through all three forms, /status and /metrics polled ten times a second, snapshots
     every two steps, checkpoints every step, SIGKILL and restart every few seconds (the longer
-    run is `python -m clients.bench.torture`, results/torture-cpu.json)."""
+    run is `python -m clients.bench.torture`, results/reliability/torture-cpu.json)."""
     from clients.bench.torture import run
 
     result = run(CIFAR10_ZIP, seconds=30, kill_every=7, rate=30, data_dir=tmp_path / "svc")

@@ -37,6 +37,7 @@ from .machine import machine_description, resolve_device
 from .realtime import DEFAULT_COST_MODEL, Stream, cost_model, simulate
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
 from .results import (
+    anytime_comparison_table,
     comparison_table,
     corrections_table,
     comparisons,
@@ -464,7 +465,11 @@ def cmd_table(args) -> int:
     groups = group(results)
     text = summary_table(groups, load_paper(Path(args.paper)) if args.paper else None)
     if args.compare:
-        text += "\n" + comparison_table(comparisons(groups, [tuple(p) for p in args.compare]))
+        rows = comparisons(groups, [tuple(p) for p in args.compare])
+        text += "\n" + comparison_table(rows)
+        if anytime := anytime_comparison_table(rows):
+            text += "\n" + anytime
+
     if corrections := corrections_table(results):
         text += "\n" + corrections
     print(text)

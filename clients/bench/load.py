@@ -11,7 +11,7 @@ method) on a free loopback port with a temporary data directory, or uses --url. 
    reports predictions/s, p50/p90/p99/max latency, and the training steps taken meanwhile
    (proof that training ran). Concurrent predictions share forward passes (micro-batching).
 
-    python -m clients.bench.load --data ../shared/datasets/cifar10-jpeg.zip --out results/load-cpu.json
+    python -m clients.bench.load --data ../shared/datasets/cifar10-jpeg.zip --out results/load/load-cpu.json
 """
 
 from __future__ import annotations

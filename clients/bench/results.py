@@ -92,6 +92,13 @@ def run_label(result: dict) -> str:
         modes.append(f"age {settings['feature_max_age']}")
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
         modes.append(f"{settings['train_per_class']}/class")
+    if backbone := settings.get("backbone"):  # the pretrained backbone: its input size, cut and latent bits
+        modes.append(f"{backbone['backbone']} {backbone['input_size']}px cut {backbone['cut']}"
+                     + (f" {backbone['latent_bits']}-bit" if backbone["latent_bits"] != 16 else ""))
+    if settings.get("serving_head"):
+        modes.append(f"serve {settings['serving_head']}")
+    if backbone and settings.get("lr", 0.1) != 0.1:
+        modes.append(f"lr {settings['lr']:g}")
     if result.get("via"):
         modes.append("via service")
     if rt := result.get("realtime"):  # the real-time protocol never pools with the offline one
@@ -146,6 +153,27 @@ SUMMARY_COLUMNS = (  # header, value of one run (None where a run lacks it)
 )
 
 
+def cpu_seconds(result: dict) -> float | None:
+    """A run's training CPU seconds with one frozen forward an image (the pretrained backbone's, as the
+    service pays it; 0 from scratch)."""
+    if result.get("train_cpu_seconds") is None:
+        return None
+    return result["train_cpu_seconds"] + result.get("frozen_forward_cpu_seconds", 0.0)
+
+
+def anytime_at(point: str):
+    """A run's accuracy on the classes seen so far once each new class has sent `point` images,
+    averaged over the tasks (`clients.bench.benchmark.AnytimeProbe`)."""
+    return lambda r: r.get("anytime", {}).get(point)
+
+
+ANYTIME_COLUMNS = (  # how useful a young model is, and what the run cost
+    *((f"anytime @{n} (%)", anytime_at(n)) for n in ("10", "100", "1000")),
+    ("CPU s / run, step + frozen forward", cpu_seconds),
+    ("memory (KB)", lambda r: r["memory_bytes"] / 1000 if r.get("memory_bytes") else None),
+)
+
+
 def stream_share(key: str):
     """A real-time run's share of the stream `key` (trained, skipped, thinned, unseen at its end), in %.
 
@@ -197,7 +225,8 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
     """One row per configuration; with `paper` (see `load_paper`) the published A_T beside ours."""
     order = {m: i for i, m in enumerate(METHODS)}
     realtime = any(r.get("realtime") for rs in groups.values() for r in rs)
-    columns = SUMMARY_COLUMNS + (REALTIME_COLUMNS if realtime else ())
+    anytime = any(r.get("anytime") for rs in groups.values() for r in rs)
+    columns = SUMMARY_COLUMNS + (REALTIME_COLUMNS if realtime else ()) + (ANYTIME_COLUMNS if anytime else ())
     headers = [h for h, _ in columns]
     if paper:  # beside our A_T
         headers.insert(1, "paper's A_T (%)")
@@ -221,6 +250,10 @@ def summary_table(groups: dict[tuple, list[dict]], paper: dict | None = None) ->
             "whose class is in the incoming batch, tasks 2..T.")
     if paper:
         note += " Paper's A_T: its Table 1, for the method with cross-entropy under either step."
+    if anytime:
+        note += (" Anytime @N: accuracy on the classes seen so far once each new class has sent N images, over the "
+                 "tasks; CPU s: the step's training CPU seconds plus, on the pretrained backbone, one frozen forward "
+                 "an image; memory: the replay memory's stored bytes.")
     if realtime:
         note += (" Real time: anytime acc. is the accuracy on the classes seen so far at points along the stream; "
                  "thinned: skipped samples that did not reach the memory update either (learner.catch_up); "
@@ -237,16 +270,19 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
             "wins_b": sum(d > 0 for d in diffs), "seed_list": seeds}
 
 
-def by_seed(rs: list[dict], key: str) -> dict[int, float]:
-    return {r["seed"]: r[key] for r in rs if r.get(key) is not None}
+def by_seed(rs: list[dict], key) -> dict[int, float]:
+    """Each run's value of `key` (a result key, or a function of the result) by seed."""
+    value = key if callable(key) else (lambda r: r.get(key))
+    return {r["seed"]: value(r) for r in rs if value(r) is not None}
 
 
 def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -> list[dict]:
-    """Each pair (A, B) of configuration labels, compared within every (dataset, M) that has both."""
+    """Each pair (A, B) of configuration labels, compared within every (dataset, M) that has both (a B
+    without a memory, such as a streaming head, against A at every M)."""
     out = []
     for a_label, b_label in pairs:
         for (dataset, mem, label), a_runs in sorted(groups.items()):
-            b_runs = groups.get((dataset, mem, b_label))
+            b_runs = groups.get((dataset, mem, b_label)) or groups.get((dataset, 0, b_label))
             if label != a_label or not b_runs:
                 continue
             row = {"dataset": dataset, "mem_size": mem, "a": a_label, "b": b_label,
@@ -256,6 +292,9 @@ def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -
                                             by_seed(b_runs, "average_accuracy_ncm")),
                    "anytime": paired_difference(by_seed(a_runs, "average_anytime_accuracy"),
                                                 by_seed(b_runs, "average_anytime_accuracy")),
+                   **{f"anytime@{n}": paired_difference(by_seed(a_runs, anytime_at(n)), by_seed(b_runs, anytime_at(n)))
+                      for n in ("10", "100", "1000")},
+                   "cpu_ratio": cpu_ratio(a_runs, b_runs),
                    "compute_ratio": compute_ratio(a_runs, b_runs)}
             out.append(row)
     return out
@@ -301,6 +340,27 @@ def compute_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
 
 def _ratio(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.2f}x"
+
+
+def cpu_ratio(a_runs: list[dict], b_runs: list[dict]) -> float:
+    """B's mean CPU seconds a run (`cpu_seconds`) over A's, over the seeds both have."""
+    a, b = by_seed(a_runs, cpu_seconds), by_seed(b_runs, cpu_seconds)
+    seeds = set(a) & set(b)
+    return sum(b[s] for s in seeds) / sum(a[s] for s in seeds) if seeds else math.nan
+
+
+def anytime_comparison_table(rows: list[dict]) -> str:
+    """The pairs whose runs recorded anytime accuracy: each point's paired difference and the CPU ratio."""
+    rows = [r for r in rows if r["anytime@10"]["seeds"]]
+    if not rows:
+        return ""
+    lines = ["| dataset | M | A | B | B − A: anytime @10 | @100 | @1000 (pts) | B / A CPU s (step + frozen forward) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [_signed(r[f"anytime@{n}"]) if r[f"anytime@{n}"]["seeds"] else "n/a" for n in ("10", "100", "1000")]
+        lines.append(f"| {r['dataset']} | {r['mem_size'] or '-'} | {r['a']} | {r['b']} | {' | '.join(cells)} | "
+                     f"{_ratio(r['cpu_ratio'])} |")
+    return "\n".join(lines) + "\n\nPaired over the seeds both ran; anytime @N as in the summary.\n"
 
 
 def comparison_table(rows: list[dict]) -> str:

@@ -12,13 +12,13 @@ retention totals. At the end it stops the service and checks, in the database fi
 every acknowledged id within the id horizon is there exactly once, under the sequence number it was
 acknowledged with, and that the log's rows are exactly the sequence numbers acknowledged.
 
-    python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/soak-cpu.json
+    python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/reliability/soak-cpu.json
 
 A sustained overload is the same run faster than the learner, with a lag bound: the series then
 shows the lag held near the bound and the shares trained and skipped.
 
     python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 6 --rate 60 \
-        --env ASER_METHOD=sv-upd --env ASER_MAX_LAG_S=30 --out results/overload-cpu.json
+        --env ASER_METHOD=sv-upd --env ASER_MAX_LAG_S=30 --out results/load/overload-cpu.json
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ machine hits every case alike (ratios are what count):
 `--dataset mini-imagenet` prices the same cases on that stream's shapes (84x84 images, 100
 classes, the paper's K and N_c for it): what a run there costs before it is started.
 
-    python -m clients.bench.benchmark speed --out results/speed-cpu.json
+    python -m clients.bench.benchmark speed --out results/speed/speed-cpu.json
     python -m clients.bench.benchmark speed --threads 1 --rounds 100 --cases er,cb-sv-duel-ace-aug-it2-ema
     python -m clients.bench.benchmark speed --dataset mini-imagenet --threads 1 --rounds 20 --cases er,er-ace
 """

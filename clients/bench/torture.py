@@ -19,7 +19,7 @@ Then it checks, through the API alone:
 - a graceful restart at the end resumes the same lineage.
 
     python -m clients.bench.torture --data ../shared/datasets/cifar10-jpeg.zip --seconds 300 \
-        --kill-every 8 --out results/torture-cpu.json
+        --kill-every 8 --out results/reliability/torture-cpu.json
 """
 
 from __future__ import annotations
