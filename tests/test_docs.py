@@ -24,3 +24,19 @@ def test_every_results_path_a_page_cites_exists(page):
     missing = [p for p in cited_paths(page)
                if not (any(ROOT.glob(p)) if "*" in p else (ROOT / p).exists())]
     assert not missing, f"{page.relative_to(ROOT)} cites results that are not there: {missing}"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_between_the_pages_lands_on_a_heading(page):
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)", page.read_text()):
+        linked = (page.parent / target).resolve() if target else page
+        if not linked.exists() or anchor not in anchors(linked):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{page.relative_to(ROOT)} links to headings that are not there: {broken}"
