@@ -74,7 +74,8 @@ LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "as
 VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "asv-mu-within", "dist", "dist-mu",
                    *(balanced_name(r) for r in ("value", "duel", "compete"))}
 # no memory, no training: a streaming head on the pretrained backbone's frozen features (`learner.stream_head`)
-STREAM_HEAD_METHODS = {"slda": "slda", "slda-oas": "slda-oas", "class-means": "ncm"}
+STREAM_HEAD_METHODS = {"slda": "slda", "slda-oas": "slda-oas", "slda-plain": "slda-plain", "class-means": "ncm",
+                       "class-means-plain": "ncm-plain"}
 OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline", *STREAM_HEAD_METHODS)
 METHODS = tuple(REPLAY_METHODS) + OTHER_METHODS
 IID_EPOCHS = {"iid-online": 1, "iid-offline": 5}

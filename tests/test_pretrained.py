@@ -18,7 +18,7 @@ from clients.bench.benchmark import main
 from learner import make_learner
 from learner.backbone import PretrainedBackbone
 from learner.pretrained import POOLED, load_lite0
-from learner.streaming import StreamingLDA
+from learner.streaming import YOUNG_CLASS, StreamingLDA, make_head
 
 from .conftest import CIFAR10_ZIP, MINI_ZIP, ROOT
 
@@ -154,3 +154,25 @@ def test_the_benchmark_runs_the_pretrained_backbone_and_records_anytime_accuracy
     table = tmp_path / "table.md"
     assert main(["table", str(tmp_path), "--out", str(table)]) == 0
     assert "slda (20/class, lite0 64px cut 17)" in table.read_text() and "anytime @10" in table.read_text()
+
+
+def test_the_served_streaming_heads_debias_a_young_class_and_lda_waits_for_it():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(400, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (400,), generator=g)
+    means = torch.stack([x[y == c].mean(0) for c in range(3)])
+    centred = x - means[y]
+    ncm = make_head("ncm", 8)
+    ncm.update(x, y)
+    assert abs(ncm.within_variance() - float((centred ** 2).sum(1).mean())) < 1e-9  # tr(S_w), from sums alone
+    head = ncm.head()  # b_c = -(|mu_c|^2 - tr(S_w) / n_c) / 2
+    expected = -((means ** 2).sum(1) - ncm.within_variance() / torch.bincount(y).double()) / 2
+    assert torch.allclose(head.bias.double(), expected, atol=1e-5)
+
+    lda = make_head("slda", 8)
+    lda.update(x, y)
+    lda.update(x[:YOUNG_CLASS - 1] + 5, torch.full((YOUNG_CLASS - 1,), 3))  # a fourth class, still young
+    young = lda.head()
+    assert torch.allclose(young.weight, lda.means()[1].float())  # the class means answer while a class is young
+    lda.update(x[:1] + 5, torch.tensor([3]))
+    grown = lda.head()
+    assert not torch.allclose(grown.weight, lda.means()[1].float()) and grown.class_ids.tolist() == [0, 1, 2, 3]
