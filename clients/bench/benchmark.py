@@ -75,9 +75,10 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | No
         if learner.ema is not None:
             out["trained"].append(percent_correct(learner.predict(x, serving=False).cpu(), y))
     if len(getattr(learner, "buffer", ())):
-        other_bn = "average" if learner.serving_bn == "memory" else "memory"
-        with learner.serving_from(bn=other_bn):
-            out[f"bn_{other_bn}"] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
+        if learner.backbone.trains_bn:  # the pretrained top keeps ImageNet's statistics: nothing to recompute
+            other_bn = "average" if learner.serving_bn == "memory" else "memory"
+            with learner.serving_from(bn=other_bn):
+                out[f"bn_{other_bn}"] = [percent_correct(learner.predict(x).cpu(), y) for x, y in test_sets]
         other_bias = "bias_none" if learner.serving_bias else "bias_memory"
         with learner.serving_from(bias=not learner.serving_bias):
             out[other_bias] = [percent_correct(learner.predict_features(f).cpu(), y)

@@ -277,27 +277,30 @@ def by_seed(rs: list[dict], key) -> dict[int, float]:
 
 
 def comparisons(groups: dict[tuple, list[dict]], pairs: list[tuple[str, str]]) -> list[dict]:
-    """Each pair (A, B) of configuration labels, compared within every (dataset, M) that has both (a B
-    without a memory, such as a streaming head, against A at every M)."""
+    """Each pair (A, B) of configuration labels, compared within every (dataset, M) that has both (a
+    configuration without a memory, such as a streaming head, against the other at each of its M)."""
     out = []
     for a_label, b_label in pairs:
         for (dataset, mem, label), a_runs in sorted(groups.items()):
-            b_runs = groups.get((dataset, mem, b_label)) or groups.get((dataset, 0, b_label))
-            if label != a_label or not b_runs:
+            if label != a_label:
                 continue
-            row = {"dataset": dataset, "mem_size": mem, "a": a_label, "b": b_label,
-                   "accuracy": paired_difference(by_seed(a_runs, "average_accuracy"),
-                                                 by_seed(b_runs, "average_accuracy")),
-                   "ncm": paired_difference(by_seed(a_runs, "average_accuracy_ncm"),
-                                            by_seed(b_runs, "average_accuracy_ncm")),
-                   "anytime": paired_difference(by_seed(a_runs, "average_anytime_accuracy"),
-                                                by_seed(b_runs, "average_anytime_accuracy")),
-                   **{f"anytime@{n}": paired_difference(by_seed(a_runs, anytime_at(n)), by_seed(b_runs, anytime_at(n)))
-                      for n in ("10", "100", "1000")},
-                   "cpu_ratio": cpu_ratio(a_runs, b_runs),
-                   "compute_ratio": compute_ratio(a_runs, b_runs)}
-            out.append(row)
+            matches = [(m, rs) for (d, m, lb), rs in sorted(groups.items())
+                       if d == dataset and lb == b_label and (m == mem or not m or not mem)]
+            for b_mem, b_runs in matches:
+                out.append(_comparison(dataset, mem or b_mem, a_label, b_label, a_runs, b_runs))
     return out
+
+
+def _comparison(dataset: str, mem: int, a_label: str, b_label: str, a_runs: list[dict], b_runs: list[dict]) -> dict:
+    """B - A on the seeds both ran: A_T, NCM A_T, anytime accuracies, and B's cost relative to A's."""
+    def paired(key) -> dict:
+        return paired_difference(by_seed(a_runs, key), by_seed(b_runs, key))
+
+    return {"dataset": dataset, "mem_size": mem, "a": a_label, "b": b_label,
+            "accuracy": paired("average_accuracy"), "ncm": paired("average_accuracy_ncm"),
+            "anytime": paired("average_anytime_accuracy"),
+            **{f"anytime@{n}": paired(anytime_at(n)) for n in ("10", "100", "1000")},
+            "cpu_ratio": cpu_ratio(a_runs, b_runs), "compute_ratio": compute_ratio(a_runs, b_runs)}
 
 
 def device_kind(run: dict) -> str:
