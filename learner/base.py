@@ -3,7 +3,9 @@
 A learner is fed uint8 images [b, 3, H, W] with integer labels, one mini-batch at a time,
 each batch once. Labels beyond the head's width grow the head (a service does not know its
 classes in advance). Task boundaries are optional hints (`begin_task`, `end_task`) that only
-the task-aware baselines (AGEM, EWC, the retrieval trick) use.
+the task-aware baselines (AGEM, EWC, the retrieval trick) use. The backbone (`learner.backbone`)
+decides what trains and what the memory stores: the images themselves from scratch, or a frozen
+pretrained part's latents; a learner takes either images or their stored form.
 """
 
 from __future__ import annotations

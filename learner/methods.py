@@ -17,8 +17,8 @@ from .ewc import EWCpp
 from .finetune import FineTune
 from .objective import ReplayObjective
 from .replay import ReplayLearner
-from .stream_head import StreamHeadLearner
 from .retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
+from .stream_head import StreamHeadLearner
 from .update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
 
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner.methods import METHODS, REPLAY_METHODS
+from learner.pretrained import POOLED
 
 AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed", "augment", "iterations", "ema",
         "train_per_class")
@@ -127,7 +128,7 @@ class RunSpec:
         if extra.get("serving_bias"):
             parts.append("bias")
         if extra.get("backbone", "scratch") != "scratch":  # the pretrained backbone's settings
-            parts.append(f"{extra['backbone']}-{extra.get('input_size', 128)}px-cut{extra.get('cut', 17)}")
+            parts.append(f"{extra['backbone']}-{extra.get('input_size', 128)}px-cut{extra.get('cut', POOLED)}")
             if extra.get("latent_bits", 16) != 16:
                 parts.append(f"{extra['latent_bits']}bit")
         if "serving_head" in extra:
