@@ -148,12 +148,12 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
     learner = build_learner(args, data, device, seed)
     stream = Stream(data, tasks, args.batch_size, torch.Generator().manual_seed(seed), float(rate))
     run = {"matrix": [], "ncm_matrix": [], "trained_matrix": [], "replay_share": [], "resumed_at": [],
-           "machines": [machine_description(device)], "anytime": []}
+           "machines": [machine_description(device)], "along": []}  # accuracy at points along the stream
 
     def evaluate_at(kind: str, index: int) -> None:
         seen = [c for classes in tasks[:index // 2 + 1] for c in classes]
         x, y = task_test_set(data, seen)
-        run["anytime"].append(percent_correct(learner.predict(x).cpu(), y))
+        run["along"].append(percent_correct(learner.predict(x).cpu(), y))
         if kind == "end":
             record(evaluate(learner, data, tasks, seen=index // 2 + 1), run)
 
@@ -161,8 +161,8 @@ def run_realtime(args, data: ImageDataset, seed: int) -> dict:
     counts = simulate(learner, stream, costs, args, evaluate_at)
     run["train_seconds"] = time.perf_counter() - t0  # wall time of the simulation, evaluations included
     result = result_record(args, data, seed, device, learner, run)
-    result["anytime_accuracy"] = run["anytime"]
-    result["average_anytime_accuracy"] = sum(run["anytime"]) / len(run["anytime"])
+    result["anytime_accuracy"] = run["along"]
+    result["average_anytime_accuracy"] = sum(run["along"]) / len(run["along"])
     result["realtime"] = {"stream_rate": round(float(rate), 3), "stream_rate_arg": str(args.stream_rate),
                           "max_lag_s": args.max_lag, "lean_when_behind": args.lean_when_behind,
                           "idle_rehearsal": args.idle_rehearsal,
