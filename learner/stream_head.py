@@ -5,10 +5,10 @@ every configuration with a memory and a trainable top must beat (Deep SLDA, Haye
 >>> import torch
 >>> from learner.backbone import PretrainedBackbone
 >>> learner = StreamHeadLearner(2, backbone=PretrainedBackbone(input_size=64), serving_head="slda")
->>> images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
->>> _ = learner.observe(images, torch.tensor([0, 1, 0, 1]))
->>> learner.predict(images).tolist()
-[0, 1, 0, 1]
+>>> dark, light = torch.full((3, 3, 32, 32), 30, dtype=torch.uint8), torch.full((3, 3, 32, 32), 220, dtype=torch.uint8)
+>>> _ = learner.observe(torch.cat([dark, light]), torch.tensor([0, 0, 0, 1, 1, 1]))
+>>> learner.predict(torch.cat([dark[:1], light[:1]])).tolist()
+[0, 1]
 """
 
 from __future__ import annotations
