@@ -5,7 +5,8 @@ learner's and the replica's predictions, and the ONNX client (`clients.onnx_clie
 A snapshot is an ONNX graph `pixels` (uint8 [n, 3, H, W], RGB, NCHW; the graph scales them to
 [0, 1] itself) -> `logits` (float32 [n, classes]), with string metadata: `labels` (JSON list, the
 outputs in order), `input_shape` (JSON [3, H, W]), the names and layout above, and the
-exporter's own keys (model_version, steps, samples_trained, method, created).
+exporter's own keys (model_version, steps, samples_trained, method, created, service_version: the
+package's version, as /openapi.json says it).
 
 >>> props = metadata_props(["cat", "dog"], 32, {"model_version": 7, "method": "aser-mu"})
 >>> info = SnapshotInfo.from_metadata(props)

@@ -33,6 +33,7 @@ from torch import nn
 from learner.model import ReducedResNet18, scale_pixels
 from learner.snapshot_format import INPUT_NAME, OUTPUT_NAME, metadata_props
 
+from . import __version__
 from .db import Database
 from .durable import replace_durably
 from .errors import NotFound, SnapshotFailed
@@ -194,7 +195,8 @@ class SnapshotStore:
         created = time.time()
         name = f"snapshot-{steps:09d}-v{version}-{time.time_ns()}.onnx"
         meta = {"model_version": version, "steps": steps, "samples_trained": samples, "method": self.method,
-                "head": head_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
+                "head": head_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                "service_version": __version__}
         head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
         job = ExportJob(weights, model.input_size, [classes[i] for i in rows], rows, self.directory / name, meta,
                         head, normalize=head_name == "ncm")

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from PIL import Image
 
+import service
 from clients.bench.local_service import LocalService
 
 from .conftest import CIFAR10_ZIP, ROOT
@@ -343,6 +344,7 @@ def test_onnx_snapshot_matches_the_service(server, jpegs):
     clf = OnnxClassifier(r.content)
     assert clf.labels == st["classes"] and clf.input_shape == (3, 32, 32) and clf.model_version == snap["model_version"]
     assert "uint8" in clf.metadata["preprocessing"]
+    assert clf.metadata["service_version"] == service.__version__  # the version of the package and /openapi.json
     images = [img for _, img in jpegs[::4]]
     answer = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in images], "k": 2}).json()
     assert answer["model_version"] == snap["model_version"]
