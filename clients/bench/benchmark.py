@@ -577,7 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "features, only the linear head trains)")
     run.add_argument("--serving-head", choices=HEADS,
                      help="with --backbone lite0: serve a streaming head on the frozen features (ncm: the nearest "
-                          "class mean, slda: streaming LDA) instead of the trained one; the memory still trains the top")
+                          "class mean, slda: streaming LDA) instead of the trained one; the memory still trains "
+                          "the top")
     run.add_argument("--latent-bits", type=int, choices=(8, 16), default=16,
                      help="with --backbone lite0: bits a stored latent value (8: the pooled cut only)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

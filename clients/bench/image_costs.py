@@ -20,7 +20,6 @@ import io
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
