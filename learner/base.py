@@ -103,8 +103,7 @@ class ContinualLearner:
         the stream gets a step."""
         images, labels = self.encode(images.to(self.device)), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        if self.stream_head is not None:
-            self.stream_head.update(self.backbone.frozen_features(images), labels)
+        self._update_stream_head(images, labels)
         stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
         self.lean_steps += lean
         if self.forgotten:
@@ -112,6 +111,11 @@ class ContinualLearner:
         self.steps += 1
         self.samples_seen += images.shape[0]
         return stats
+
+    def _update_stream_head(self, stored: torch.Tensor, labels: torch.Tensor) -> None:
+        """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
+        if self.stream_head is not None:
+            self.stream_head.update(self.backbone.frozen_features(stored), labels)
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
@@ -128,8 +132,7 @@ class ContinualLearner:
         lean form, as a lean step would. A learner without a memory only counts them."""
         images, labels = self.encode(images.to(self.device)), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        if self.stream_head is not None:
-            self.stream_head.update(self.backbone.frozen_features(images), labels)
+        self._update_stream_head(images, labels)
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
             self._pass_through(images[i:i + step], labels[i:i + step], lean)

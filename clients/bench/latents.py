@@ -80,8 +80,10 @@ def encoded_dataset(data: ImageDataset, backbone, cache_dir: str | os.PathLike |
 
 
 def _stored(data: ImageDataset, backbone, train_x: torch.Tensor, test_x: torch.Tensor) -> ImageDataset:
-    return replace(data, train_x=backbone.quantise(train_x.float()) if backbone.latent_bits == 8 else train_x,
-                   test_x=backbone.quantise(test_x.float()) if backbone.latent_bits == 8 else test_x)
+    def stored(cached: torch.Tensor) -> torch.Tensor:  # fp16 is the 16-bit form already
+        return backbone.quantise(cached.float()) if backbone.latent_bits == 8 else cached
+
+    return replace(data, train_x=stored(train_x), test_x=stored(test_x))
 
 
 def frozen_forward_cpu_ms(backbone, images: torch.Tensor) -> float:
