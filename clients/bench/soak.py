@@ -8,7 +8,8 @@ pixels at once and sample ids after 60 s (the defaults: a day and 30 days), then
 `--minutes`, retrying each request until it is acknowledged (a 507 or a lost answer is
 retried with the same ids, so it is stored once). Every `--every` seconds it records the
 database's size on disk, the service's resident memory, received / trained / backlog and the
-retention totals. At the end it stops the service and checks, in the database file itself, that
+retention totals (and the proportional set size of the service with its snapshot exporter: what
+they take together). At the end it stops the service and checks, in the database file itself, that
 every acknowledged id within the id horizon is there exactly once, under the sequence number it was
 acknowledged with, and that the log's rows are exactly the sequence numbers acknowledged.
 
@@ -49,6 +50,32 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """A process's proportional set size: its private pages and its share of the pages it shares
+    (torch's libraries, mapped by the service and its exporter alike), so processes add up."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """The memory a process and its children (the service's snapshot exporter) take together."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    total = pss_bytes(pid)
+    for child in children:
+        try:
+            total += tree_pss_bytes(child)
+        except OSError:  # it ended meanwhile
+            pass
+    return total
 
 
 def send_until_acknowledged(client: ServiceClient, batch: list[tuple[str, bytes, str]], answers: dict) -> list[int]:
@@ -106,7 +133,9 @@ def soak(args) -> dict:
             if elapsed >= next_point:
                 st = client.status()
                 series.append({"t_s": round(elapsed, 1), "database_bytes": st["storage"]["database_bytes"],
-                               "rss_bytes": rss_bytes(service.proc.pid), "received": st["samples_received"],
+                               "rss_bytes": rss_bytes(service.proc.pid),
+                               "pss_with_children_bytes": tree_pss_bytes(service.proc.pid),
+                               "received": st["samples_received"],
                                "trained": st["samples_trained"], "backlog": st["backlog"],
                                "lag_s": st["lag"]["seconds"], "skipped": st["lag"]["samples_skipped"],
                                "thinned": st["lag"]["samples_thinned"],
