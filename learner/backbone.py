@@ -71,8 +71,21 @@ class ScratchBackbone:
         """Eval-mode f_ext of `net`, BatchNorm folded (`learner.model.fold_batchnorm`)."""
         return fold_batchnorm(net, dtype)
 
+    def pixel_module(self, net: nn.Module) -> nn.Module:
+        """uint8 pixels -> `net`'s features, as one module (what an ONNX snapshot holds)."""
+        return ScaledPixelFeatures(net)
+
     def identity(self) -> dict:
         return {"backbone": self.name}
+
+
+class ScaledPixelFeatures(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net.features(scale_pixels(pixels))
 
 
 class LatentTop(nn.Module):
@@ -159,18 +172,23 @@ class PretrainedBackbone:
         return self.quantise(self.frozen.lower(images, self.cut))
 
     def quantise(self, latent: torch.Tensor) -> torch.Tensor:
-        if self.latent_bits == 8:
-            return (latent.clamp(0, POOLED_RANGE) * (255 / POOLED_RANGE)).round().to(torch.uint8)
-        return latent.to(torch.float16)
+        return quantise(latent, self.latent_bits)
 
     def to_input(self, x: torch.Tensor) -> torch.Tensor:
         """Stored latents (or images, encoded first) -> the top's float input."""
-        stored = self.encode(x)
-        return stored.float() * (POOLED_RANGE / 255) if self.latent_bits == 8 else stored.float()
+        return dequantise(self.encode(x), self.latent_bits)
 
     def features(self, net: nn.Module, dtype: torch.dtype | None = None):
-        """Eval-mode pooled features of the top `net` (its BatchNorm is always in eval mode)."""
-        return net.features
+        """Eval-mode pooled features of the top `net` (its BatchNorm is always in eval mode): of a
+        copy where the top has weights above the pooled cut, so later steps do not reach them."""
+        if self.cut == POOLED:
+            return net.features  # the identity: nothing a step changes
+        return copy.deepcopy(net).eval().requires_grad_(False).features
+
+    def pixel_module(self, net: nn.Module | None) -> nn.Module:
+        """uint8 pixels -> the features `net` (a top) reads from the stored latents, or with no
+        `net` the frozen network's own pooled features (what the streaming heads read), as one module."""
+        return LatentPixelFeatures(self.frozen, self.cut, self.latent_bits, net)
 
     @torch.no_grad()
     def frozen_features(self, stored: torch.Tensor) -> torch.Tensor:
@@ -184,6 +202,30 @@ class PretrainedBackbone:
                 "latent_bits": self.latent_bits, "weights_sha256": self.frozen.weights_sha256}
 
 
+def quantise(latent: torch.Tensor, bits: int) -> torch.Tensor:
+    """A latent as the memory stores it: fp16, or at 8 bits on ReLU6's fixed grid."""
+    if bits == 8:
+        return (latent.clamp(0.0, POOLED_RANGE) * (255 / POOLED_RANGE)).round().to(torch.uint8)
+    return latent.to(torch.float16)
+
+
+def dequantise(stored: torch.Tensor, bits: int) -> torch.Tensor:
+    return stored.float() * (POOLED_RANGE / 255) if bits == 8 else stored.float()
+
+
+class LatentPixelFeatures(nn.Module):
+    """uint8 pixels -> the frozen part -> the latent as stored (its rounding too) -> the top's
+    features (or the frozen network's): the path a stored sample takes, from pixels."""
+
+    def __init__(self, frozen, cut: int, latent_bits: int, top: nn.Module | None):
+        super().__init__()
+        self.frozen, self.cut, self.latent_bits, self.top = frozen, cut, latent_bits, top
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = dequantise(quantise(self.frozen.lower(pixels, self.cut), self.latent_bits), self.latent_bits)
+        return self.top.features(x) if self.top is not None else self.frozen.upper(x, self.cut)
+
+
 def make_backbone(name: str, image_shape: tuple[int, int, int] = (3, 32, 32), input_size: int = 128,
                   cut: int = POOLED, latent_bits: int = 16, channels_last: bool = False):
     if name == "scratch":
@@ -191,3 +233,10 @@ def make_backbone(name: str, image_shape: tuple[int, int, int] = (3, 32, 32), in
     if name == "lite0":
         return PretrainedBackbone(input_size, cut, latent_bits)
     raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(BACKBONES)}")
+
+
+def backbone_of(identity: dict, image_shape: tuple[int, int, int]):
+    """The backbone an `identity()` names (what a checkpoint or a snapshot job records)."""
+    if identity.get("backbone", "scratch") == "scratch":
+        return ScratchBackbone(image_shape)
+    return PretrainedBackbone(identity["input_size"], identity["cut"], identity["latent_bits"])

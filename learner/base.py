@@ -32,6 +32,8 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 
 
 FORGOTTEN_LOGIT = -1e4
+# a streaming head's logits may lie far below zero (LDA's): a class it has not seen sits further still
+UNSEEN_LOGIT = -1e30
 # where the served model's BatchNorm statistics come from: the moving average of the trained ones, or
 # a pass of the averaged weights over the replay memory (`ContinualLearner.refresh_serving`)
 SERVING_BN = ("average", "memory")
@@ -101,10 +103,12 @@ class ContinualLearner:
         `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation, the
         memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
         the stream gets a step."""
-        images, labels = self.encode(images.to(self.device)), labels.to(self.device, torch.long)
+        pixels = images.to(self.device)
+        images, labels = self.encode(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         self._update_stream_head(images, labels)
-        stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
+        with self._pictures_of_admitted(pixels, images):
+            stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
         self.lean_steps += lean
         if self.forgotten:
             self._silence_forgotten()  # whatever the method's step did to those rows
@@ -116,6 +120,23 @@ class ContinualLearner:
         """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
         if self.stream_head is not None:
             self.stream_head.update(self.backbone.frozen_features(stored), labels)
+
+    @contextmanager
+    def _pictures_of_admitted(self, pixels: torch.Tensor, stored: torch.Tensor):
+        """On a latent memory, a small picture of each sample the step admits (`ReplayBuffer.pictures`:
+        what a person browsing the memory sees); the step's stored latents tell which sample a slot took."""
+        buffer = getattr(self, "buffer", None)
+        if buffer is None or pixels is stored or pixels.dtype != torch.uint8:  # images kept as they are
+            yield
+            return
+        offered = buffer.n_seen
+        yield
+        slots = torch.nonzero(buffer.entered[:buffer.size] >= offered).flatten().to(buffer.device)
+        if slots.numel():
+            kept = buffer.images[slots].flatten(1)
+            same = (kept[:, None, :] == stored.flatten(1).to(kept.device)[None]).all(2)  # [slots, batch]
+            found, sample = same.any(1), same.float().argmax(1)
+            buffer.keep_pictures(slots[found], pixels[sample[found]])
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
@@ -130,12 +151,14 @@ class ContinualLearner:
         sampling the whole stream), `batch_size` at a time (the stream's batch: KNN-SV then scores
         a skipped sample among as many candidates as a trained one); `lean`: through the update's
         lean form, as a lean step would. A learner without a memory only counts them."""
-        images, labels = self.encode(images.to(self.device)), labels.to(self.device, torch.long)
+        pixels = images.to(self.device)
+        images, labels = self.encode(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         self._update_stream_head(images, labels)
         step = batch_size or labels.numel()
-        for i in range(0, labels.numel(), step):
-            self._pass_through(images[i:i + step], labels[i:i + step], lean)
+        with self._pictures_of_admitted(pixels, images):
+            for i in range(0, labels.numel(), step):
+                self._pass_through(images[i:i + step], labels[i:i + step], lean)
         self.samples_skipped += images.shape[0]
 
     def _pass_through(self, images: torch.Tensor, labels: torch.Tensor, lean: bool) -> None:
@@ -242,6 +265,28 @@ class ContinualLearner:
 
     def frozen_features(self, images: torch.Tensor) -> torch.Tensor:
         return self.backbone.frozen_features(self.encode(images))
+
+    def pixel_features(self):
+        """uint8 pixels [n, 3, H, W] -> the features the served head reads, as a function that later
+        steps do not change (what a service's predictions run between steps); `served_head` goes with it."""
+        if self.stream_head is not None:
+            return self.frozen_features  # no trained weights on this path
+        features = self.inference_features(self.autocast_dtype)
+        return lambda images: features(self.to_input(self.encode(images)))
+
+    def served_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The served linear head over class ids 0..num_classes-1 (weight, bias): the serving weights'
+        head, or the streaming head as solved now, where a class it has not seen (or forgot) gets a
+        zero row and a bias no logit reaches."""
+        if self.stream_head is None:
+            head = self.serving_model.head
+            return head.weight.detach(), head.bias.detach()
+        solved = self.solved_head()
+        weight = torch.zeros(self.num_classes, solved.weight.shape[1], device=self.device)
+        bias = torch.full((self.num_classes,), UNSEEN_LOGIT, device=self.device)
+        weight[solved.class_ids] = solved.weight.to(self.device)
+        bias[solved.class_ids] = solved.bias.to(self.device)
+        return weight, bias
 
     def solved_head(self):
         """The streaming head solved on what it has seen so far (once per new sample count)."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+PICTURE_SIZE = 32  # a latent memory's pictures, a side (what the memory browser shows of a slot)
+
 
 class ReplayBuffer:
     def __init__(self, capacity: int, image_shape: tuple[int, ...], device: str | torch.device = "cpu",
@@ -35,6 +37,8 @@ class ReplayBuffer:
         self.n_seen = 0  # stream samples offered to the buffer so far (reservoir's n)
         self.entered = torch.zeros(capacity, dtype=torch.long)  # n_seen when each slot was last written
         self.features: torch.Tensor | None = None
+        # a latent memory's slots as people see them (`keep_pictures`); None while slots hold the images
+        self.pictures: torch.Tensor | None = None
         self.feature_version = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
 
     def __len__(self) -> int:
@@ -68,6 +72,14 @@ class ReplayBuffer:
         self.write(slots, images[:n], labels[:n])
         return slots
 
+    def keep_pictures(self, slots: torch.Tensor, images: torch.Tensor) -> None:
+        """A PICTURE_SIZE picture of the uint8 images stored (as latents) in `slots`."""
+        if self.pictures is None:
+            self.pictures = torch.zeros((self.capacity, 3, PICTURE_SIZE, PICTURE_SIZE), dtype=torch.uint8)
+        small = torch.nn.functional.interpolate(images.float(), size=(PICTURE_SIZE, PICTURE_SIZE), mode="bilinear",
+                                                align_corners=False, antialias=images.shape[-1] > PICTURE_SIZE)
+        self.pictures[slots.cpu()] = small.round().clamp(0, 255).to(torch.uint8).cpu()
+
     def class_counts(self) -> dict[int, int]:
         labels, counts = torch.unique(self.labels[: self.size], return_counts=True)
         return {int(c): int(n) for c, n in zip(labels.tolist(), counts.tolist())}
@@ -82,6 +94,8 @@ class ReplayBuffer:
         self.images[:n] = self.images[keep].clone()
         self.labels[:n] = self.labels[keep].clone()
         self.entered[:n] = self.entered[keep.cpu()].clone()
+        if self.pictures is not None:
+            self.pictures[:n] = self.pictures[keep.cpu()].clone()
         self.feature_version[:n] = self.feature_version[keep].clone()
         if self.features is not None:
             self.features[:n] = self.features[keep].clone()
@@ -115,6 +129,8 @@ class ReplayBuffer:
             "labels": self.labels[: self.size].cpu(),
             "n_seen": self.n_seen,
             "entered": self.entered[: self.size].clone(),
+            "dtype": str(self.images.dtype).removeprefix("torch."),
+            **({"pictures": self.pictures[: self.size].clone()} if self.pictures is not None else {}),
             # the feature cache: values computed on features up to S steps old (`learner.balanced`) go on
             # from the same features after a resume
             **({"features": self.features[: self.size].cpu(), "feature_version": self.feature_version[: self.size].cpu()}
@@ -134,6 +150,9 @@ class ReplayBuffer:
         self.entered.zero_()
         if "entered" in state:  # absent from checkpoints written before it existed
             self.entered[:n] = state["entered"]
+        self.pictures = None
+        if "pictures" in state and n:
+            self.keep_pictures(torch.arange(n), state["pictures"])
         self.feature_version.fill_(-1)
         if "features" in state and n:
             self.store_features(torch.arange(n, device=self.device), state["features"].to(self.device), -1)

@@ -109,10 +109,12 @@ class CheckpointStore:
             with self.db.read() as conn:
                 rows = conn.execute("SELECT slot, class_id, image FROM buffer ORDER BY slot").fetchall()
             kept = [r["slot"] for r in rows]  # the slots of a forgotten class are gone from the rows
-            for key in ("entered", "features", "feature_version"):
+            for key in ("entered", "features", "feature_version", "pictures"):
                 if key in meta:
                     meta[key] = meta[key][kept]
-            state["buffer"] = {**meta, "images": images_from_blobs([r["image"] for r in rows], meta["image_shape"]),
+            dtype = getattr(torch, meta.get("dtype", "uint8"))  # the images, or a pretrained backbone's latents
+            blobs = [r["image"] for r in rows]
+            state["buffer"] = {**meta, "images": images_from_blobs(blobs, meta["image_shape"], dtype),
                                "labels": torch.tensor([r["class_id"] for r in rows], dtype=torch.long)}
         learner.load_state_dict(state)
         return row["trained_upto"], extra
@@ -131,9 +133,11 @@ class CheckpointStore:
         if name == learner.name and identity in (None, self.identity):
             return
         made = f"a {name} learner" + (f" ({_as_env(identity)})" if identity else "")
+        differ = sorted(k for k in {*(identity or {}), *self.identity} if (identity or {}).get(k) != self.identity.get(k))
         raise IncompatibleCheckpoint(
             f"the checkpoint {file} is of {made}, and these settings make a {learner.name} learner "
-            f"({_as_env(self.identity)}): start with the settings it was trained with, or with an empty data directory")
+            f"({_as_env(self.identity)}); they differ in {', '.join(differ) or 'the method'}: start with the settings "
+            "it was trained with, or with an empty data directory")
 
     @staticmethod
     def forget_rows(conn, class_id: int) -> None:

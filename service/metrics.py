@@ -82,6 +82,14 @@ class Metrics:
         self.retention_freed = Counter("aser_retention_freed_bytes", "Bytes retention gave back to the file system",
                                        registry=r)
 
+    def observe_step(self, seconds: float, samples: int, lean: bool, stats: dict) -> None:
+        """One training step: its duration, its samples, and what it replayed (`observe`'s statistics)."""
+        self.train_step.observe(seconds)
+        self.samples_trained.inc(samples)
+        self.lean_steps.inc(lean)
+        self.samples_replayed.inc(stats.get("replayed", 0))
+        self.replayed_incoming.inc(float(stats.get("replayed_incoming", 0)))
+
     def observe_retention(self, run: dict) -> None:
         self.retention_pixels.inc(run["pixels_dropped"])
         self.retention_ids.inc(run["ids_dropped"])

@@ -19,6 +19,8 @@ every few steps goes to the `history` table, which only ever grows forwards.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -26,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .db import Database
 from .store import by_label
+
+log = logging.getLogger("aser.worker")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS history (samples_trained INTEGER PRIMARY KEY, steps INTEGER NOT NULL, at REAL NOT NULL,
@@ -189,3 +193,40 @@ class History:
             with self.db.write() as conn:
                 conn.executemany("UPDATE history SET per_class = ?, memory = ? WHERE samples_trained = ?",
                                  changed[i:i + self.FORGET_BATCH])
+
+
+class HistoryRecorder:
+    """A point of the history every ASER_HISTORY_EVERY_STEPS steps, from what the worker knows then;
+    the replayed samples (and the share of them of an incoming class) add up between two points. A
+    failure to write a point never stops training."""
+
+    def __init__(self, history: History, every_steps: int):
+        self.history, self.every_steps = history, every_steps
+        self._replayed = [0, 0.0]  # replayed samples since the last point, of them of an incoming class
+
+    def stepped(self, worker, stats: dict) -> None:
+        """After a training step of `worker` (a `LearnerWorker`) with these step statistics."""
+        self._replayed[0] += stats.get("replayed", 0)
+        self._replayed[1] += float(stats.get("replayed_incoming", 0))
+        if worker.learner.steps % self.every_steps == 0:
+            self.record(worker, stats.get("loss"))
+
+    def record(self, worker, loss) -> None:
+        learner, online, store, classes = worker.learner, worker.online, worker.store, worker.predictor.classes
+        replayed, incoming = self._replayed
+        point = HistoryPoint(
+            samples_trained=learner.samples_seen, steps=learner.steps, at=time.time(),
+            accuracy=online.accuracy, window_accuracy=online.window_accuracy,
+            new_class_samples=online.new_class_samples, loss=None if loss is None else float(loss),
+            step_ms=round(1000 * worker.last_step_seconds, 2), received=store.received(),
+            backlog=store.pending(worker.trained_upto), lag_s=round(worker.lag_seconds(), 3),
+            samples_skipped=learner.samples_skipped, samples_thinned=learner.samples_thinned,
+            rehearsal_steps=learner.rehearsal_steps,
+            per_class=by_label(classes, {c: right / n for c, (right, n) in online.per_class().items()}),
+            memory=by_label(classes, worker.memory.class_counts()),
+            replayed_incoming_share=round(100 * incoming / replayed, 2) if replayed else None)
+        self._replayed = [0, 0.0]
+        try:
+            self.history.add(point)
+        except Exception:
+            log.exception("writing a history point failed; training goes on")

@@ -63,7 +63,8 @@ class SnapshotFollower:
             if not snapshots or (self.current and snapshots[-1]["id"] <= self.current.id):
                 return False
             latest = snapshots[-1]["id"]
-            body = self.http.get(f"/snapshots/{latest}")
+            int8 = self.settings.replica_int8 and snapshots[-1].get("int8") is not None
+            body = self.http.get(f"/snapshots/{latest}", params={"variant": "int8"} if int8 else None)
             body.raise_for_status()
             clf = OnnxSnapshot(body.content, threads=self.settings.replica_threads or None)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
@@ -72,7 +73,7 @@ class SnapshotFollower:
             return False
         self.current = LoadedSnapshot(latest, clf)
         self.last_error = None
-        log.info("serving snapshot %d (model version %s)", latest, clf.info.model_version)
+        log.info("serving snapshot %d (model version %s%s)", latest, clf.info.model_version, ", int8" if int8 else "")
         return True
 
 
@@ -139,6 +140,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
         snap = follower.current
         return {"source": settings.replica_source, "snapshot_id": snap and snap.id,
                 "model_version": snap and snap.classifier.info.model_version,
+                "variant": snap and snap.classifier.info.metadata.get("variant", "fp32"),
                 "classes": snap.classifier.info.labels if snap else [], "last_error": follower.last_error,
                 "uptime_s": round(time.time() - app.state.started, 1)}
 

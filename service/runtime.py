@@ -7,11 +7,13 @@ import time
 from dataclasses import dataclass, field
 
 from .batching import PredictBatcher
+from .checkpoints import CheckpointStore
 from .db import Database
 from .metrics import Metrics
 from .retention import Retention, RetentionPolicy
 from .settings import Settings
 from .store import IngestLog
+from .lineage import lineage_of
 from .worker import LearnerWorker
 
 
@@ -26,11 +28,17 @@ class Runtime:
     retention: Retention
     started: float = field(default_factory=time.time)
 
+    @property
+    def image_size(self) -> int:
+        """The side every image is brought to: the lineage's (`service.lineage`)."""
+        return self.worker.lineage.image_size
+
     @classmethod
     def open(cls, settings: Settings, metrics: Metrics) -> "Runtime":
         db = Database(settings.database_path)
-        store = IngestLog(db, (3, settings.image_size, settings.image_size))
-        worker = LearnerWorker(settings, db, store, metrics)
+        lineage = lineage_of(settings, CheckpointStore(db, settings.data_dir / "checkpoints"))
+        store = IngestLog(db, (3, lineage.image_size, lineage.image_size))
+        worker = LearnerWorker(settings, db, store, metrics, lineage)
         worker.start()
         batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
                                  settings.predict_max_batch, on_batch=metrics.predict_batch.observe)

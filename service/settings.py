@@ -5,8 +5,7 @@
 >>> Settings(method="icarl").check_learner()
 Traceback (most recent call last):
 ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
->>> Settings(method="ewc").replay_objective()  # ASER_LOSS's default (ace) is the replay methods'
-{}
+>>> Settings(method="ewc").check_learner()  # ASER_LOSS's default (ace) is the replay methods'
 >>> Settings(method="ewc", loss="ce").check_learner()  # what EWC minimises anyway
 >>> Settings(method="ewc", loss="ace").check_learner()
 Traceback (most recent call last):
@@ -21,27 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, TypeAdapter
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from learner.catch_up import MEMORY_SHARE
 
-# the settings that decide how a lineage trains (its checkpoints' identity)
-LINEAGE_SETTINGS = ("method", "step", "loss", "augment", "iterations", "distill")
-# The learner's options where unset: on where the evidence earned it (docs/results.md). ER-ACE with the
-# stronger learner's three gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired
-# seeds, 2.1x ER's step); under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default,
-# but the moving average alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost), and
-# behind a stream at 2x / 4x ER's pace lean steps add +22.3 +- 5.2 / +22.6 +- 4.9 to it and +4.6 +- 6.2 /
-# +4.9 +- 4.3 to the best configuration (3 paired seeds each).
-OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False, "distill": 0.0}
-# The class-balanced KNN-SV memory (cb-sv-duel) takes ER's options: with them it is +13.39 ± 1.92 A_T (10 paired
-# seeds) over the previous default (sv-upd + ACE + EMA) at full length, level with the best (issue 36,
-# docs/results.md); its lean form is CBRS's update, as cheap as the reservoir's.
-ALL_OPTIONS = {**OPTIONS_OFF, "augment": True, "iterations": 2, "ema": 0.99, "lean_when_behind": True}
-TUNED_DEFAULTS = {"er": ALL_OPTIONS, "cb-sv-duel": ALL_OPTIONS,
-                  "sv-upd": {**OPTIONS_OFF, "ema": 0.99, "lean_when_behind": True}}
-
+POOLED_CUT = 17  # learner.pretrained.POOLED, written here: the replica reads these settings without torch
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ASER_", env_file=".env", extra="ignore")
@@ -56,10 +40,19 @@ class Settings(BaseSettings):
 
     # the learner: ASER's KNN-SV values choosing within a class-balanced memory (cb-sv-duel: CBRS's admission,
     # the lower-valued of two random members of the class leaves), random retrieval, the ACE loss, augmentation,
-    # 2 iterations and a moving-average serving head (TUNED_DEFAULTS), the paper's CIFAR-10 settings. A data
-    # directory made under the previous default (sv-upd) goes on as sv-upd where ASER_METHOD is unset.
+    # 2 iterations and a moving-average serving head (service.lineage.TUNED_DEFAULTS), the paper's CIFAR-10
+    # settings. What a data directory's lineage was trained with goes on where these leave it unset
+    # (`service.lineage`): a directory made under the previous default (sv-upd) goes on as sv-upd.
     method: str = "cb-sv-duel"
-    image_size: int = Field(32, ge=8, le=512)
+    backbone: Literal["scratch", "lite0"] = Field("scratch", description="scratch: the paper's reduced ResNet18 "
+                                                  "from random weights on the pixels; lite0: EfficientNet-Lite0's "
+                                                  "ImageNet weights frozen below ASER_CUT, the memory holding its "
+                                                  "latents (latent replay), useful from the first images")
+    image_size: int | None = Field(None, ge=8, le=512, description="the side every image is brought to (the one "
+                                   "input rule; unset: 32 from scratch, 160 on lite0, by docs/results.md's rule)")
+    cut: int = Field(POOLED_CUT, ge=0, le=POOLED_CUT, description="lite0: the first trainable block (17: only the linear "
+                     "head trains on the pooled features; 11: the last two stages too)")
+    latent_bits: int = Field(16, description="lite0: the memory's latents in fp16 (16), or 8 bits (pooled only)")
     mem_size: int = Field(1000, ge=0)
     batch_size: int = Field(10, ge=1)
     replay_batch: int | None = Field(None, ge=0, description="memory samples replayed a step (unset: 20 on a GPU, "
@@ -68,7 +61,7 @@ class Settings(BaseSettings):
     k: int = Field(3, ge=1)
     n_candidates: int = Field(90, ge=1)
     per_class: int = Field(9, ge=1, description="S_sub and retrieval candidates per class (N_c / classes)")
-    lr: float = Field(0.1, gt=0)
+    lr: float | None = Field(None, gt=0, description="SGD's learning rate (unset: 0.1 from scratch, 0.01 on lite0)")
     step: Literal["joint", "separate"] = Field("joint", description="replay step: one forward pass of incoming + "
                                                "replayed samples (joint) or two with summed losses (separate)")
     loss: Literal["ce", "ace"] = Field("ace", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
@@ -89,12 +82,16 @@ class Settings(BaseSettings):
                                                      "moving average's, or recomputed on the memory")
     # on by default (docs/results.md, "A young service"): without it a young service never answers its
     # newest classes (0 of 5 seeds after its third task; 5 of 5 with it, +4.17 +- 3.10 points)
-    serving_bias: bool = Field(True, description="serve with a logit bias per class fitted on the memory")
+    serving_bias: bool | None = Field(None, description="serve with a logit bias per class fitted on the memory "
+                                      "(unset: on from scratch; off on lite0, where streaming LDA serves)")
     serving_refresh_steps: int = Field(50, ge=1, description="with ASER_SERVING_BN=memory or ASER_SERVING_BIAS: "
                                        "correct a copy of the served weights on the memory every N steps (and when "
                                        "the memory's classes change); predictions are that many steps old at most")
-    head: Literal["softmax", "ncm"] = Field("softmax", description="what predictions and snapshots answer with: "
-                                            "the softmax head, or nearest class mean on the memory's features")
+    head: Literal["softmax", "ncm", "slda"] | None = Field(None, description="what predictions and snapshots answer "
+                                                         "with: the trained softmax head, nearest class mean on the "
+                                                         "memory's features, or (lite0) streaming LDA on the frozen "
+                                                         "features, which every sample reaches (unset: softmax from "
+                                                         "scratch, slda on lite0)")
     ncm_refresh_steps: int = Field(50, ge=1, description="with ASER_HEAD=ncm: recompute the class means every N "
                                    "steps (and when the memory's classes change)")
     device: str = "auto"
@@ -114,6 +111,13 @@ class Settings(BaseSettings):
                                     "older half of the history is dropped (it stays bounded for months)")
     snapshot_timeout_s: float = Field(120.0, gt=0)
     snapshot_keep: int = Field(20, ge=1, description="keep the newest N snapshots; older files and rows are removed")
+    snapshot_int8: bool = Field(False, description="also export each snapshot quantised to int8 (onnxruntime's "
+                                "static quantisation, calibrated on recent images), kept where its top-1 agrees with "
+                                "the fp32 graph on ASER_SNAPSHOT_INT8_MIN_AGREEMENT of other recent images")
+    snapshot_int8_min_agreement: float = Field(0.98, ge=0, le=1)
+    snapshot_int8_images: int = Field(64, ge=16, le=1024, description="recent images an int8 export calibrates on "
+                                      "and checks against (half each; onnxruntime's calibration keeps every "
+                                      "activation of its half in memory)")
 
     # real time: a stream faster than the learner, or idle
     max_lag_s: float = Field(900.0, ge=0, description="when the oldest untrained sample is older than this, samples "
@@ -164,6 +168,8 @@ class Settings(BaseSettings):
     replica_source_token: SecretStr | None = None
     replica_poll_s: float = Field(10.0, gt=0)
     replica_threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0: its default)")
+    replica_int8: bool = Field(False, description="serve a snapshot's int8 variant where it has one (the learner's "
+                               "ASER_SNAPSHOT_INT8), its fp32 file otherwise")
 
     # bearer tokens; when set, writes / reads / admin calls need them (admin works everywhere)
     write_token: SecretStr | None = None
@@ -179,116 +185,16 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
         chosen = {f: getattr(self, f) for f in ("step", "loss", "augment", "iterations", "distill")
                   if f in self.model_fields_set}
-        neutral = {("step", "joint"), ("loss", "ce"), *OPTIONS_OFF.items()}
+        neutral = {("step", "joint"), ("loss", "ce"), ("augment", False), ("iterations", 1), ("distill", 0.0)}
         if self.method not in REPLAY_METHODS and chosen.items() - neutral:
             raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the "
                              f"replay methods, not {self.method}")
-        if self.option("distill") and not self.option("ema"):
-            raise ValueError("ASER_DISTILL needs a moving average to teach: set ASER_EMA")
+        from .lineage import Lineage
+
+        Lineage.resolve(self, None)  # the combination as set (a data directory's lineage may fill in more)
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")
-
-    def replay_objective(self) -> dict:
-        """`step` and `loss` for the learner: their defaults are the replay methods'; the other
-        methods (EWC, A-GEM, fine-tune) have a loss of their own and take neither."""
-        from learner.methods import REPLAY_METHODS
-
-        return {"step": self.step, "loss": self.loss} if self.method in REPLAY_METHODS else {}
-
-    def stronger_learner(self) -> dict:
-        """ASER_AUGMENT, ASER_ITERATIONS, ASER_DISTILL and ASER_EMA for the learner, where they are on
-        (the first three for the replay methods; the average serves any method).
-
-        >>> Settings(method="sv-upd", augment=True, ema=0.99).stronger_learner()
-        {'augment': True, 'ema_decay': 0.99}
-        >>> Settings(method="er").stronger_learner() == Settings().stronger_learner()
-        True
-        >>> Settings().stronger_learner(), Settings(method="aser-mu").stronger_learner()
-        ({'augment': True, 'iterations': 2, 'ema_decay': 0.99}, {})
-        >>> Settings(method="ewc", ema=0.99).stronger_learner()
-        {'ema_decay': 0.99}
-        """
-        from learner.methods import REPLAY_METHODS
-
-        replay = self.method in REPLAY_METHODS
-        augment, iterations, ema = self.option("augment"), self.option("iterations"), self.option("ema")
-        chosen = {"augment": (replay and augment) or None,
-                  "iterations": iterations if replay and iterations != 1 else None,
-                  "distill": (replay and self.option("distill")) or None,
-                  "ema_decay": ema or None}
-        return {k: v for k, v in chosen.items() if v is not None}
-
-    def replay_batch_on(self, device: str) -> int:
-        """The replay batch as set, else 20 on a GPU and 10 on a CPU. Issue 37: 20 lifts the default by
-        +2.73 ± 1.32 A_T at M=1000 (10 paired seeds), +2.58 ± 3.36 at M=500, +0.84 ± 4.35 at M=200 (5 each);
-        on an H100 its step takes 0.98x the default's, on one CPU thread 1.40x (over 3x ER's step there: rule 5,
-        docs/results.md).
-
-        >>> Settings().replay_batch_on("cuda:0"), Settings().replay_batch_on("cpu")
-        (20, 10)
-        >>> Settings(replay_batch=5).replay_batch_on("cuda")
-        5
-        """
-        if self.replay_batch is not None:
-            return self.replay_batch
-        return 20 if device.startswith("cuda") else 10
-
-    def option(self, name: str) -> bool | int | float:
-        """A learner option (OPTIONS_OFF's) as set, else its method's default (TUNED_DEFAULTS).
-
-        >>> Settings(method="er").option("iterations"), Settings(method="sv-upd").option("iterations")
-        (2, 1)
-        >>> Settings().method, Settings().option("augment"), Settings().option("iterations")
-        ('cb-sv-duel', True, 2)
-        >>> Settings(method="er", ema=0).option("ema")
-        0.0
-        >>> Settings().option("lean_when_behind"), Settings(method="aser-mu").option("lean_when_behind")
-        (True, False)
-        """
-        value = getattr(self, name)
-        return value if value is not None else TUNED_DEFAULTS.get(self.method, OPTIONS_OFF)[name]
-
-    def learner_identity(self) -> dict[str, str]:
-        """The settings that decide how the learner trains, as environment variables: a checkpoint
-        made under some does not go on under others (the stronger learner's only where on, so a data
-        directory made before they existed goes on).
-
-        >>> Settings(method="er", iterations=1, ema=0.99).learner_identity()
-        {'ASER_METHOD': 'er', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace', 'ASER_AUGMENT': 'True'}
-        """
-        # the moving average only serves: a lineage may take it up or drop it
-        training = {k: v for k, v in self.stronger_learner().items() if k != "ema_decay"}
-        chosen = {"method": self.method, **self.replay_objective(), **training}
-        return {f"ASER_{k.removesuffix('_decay').upper()}": str(v) if not isinstance(v, str) else v
-                for k, v in chosen.items()}
-
-    def follow_lineage(self, identity: dict[str, str] | None) -> dict[str, object]:
-        """Take the training settings of the lineage already in the data directory (its checkpoint's
-        `learner_identity`) wherever this configuration leaves them unset: a data directory made
-        under an older release's defaults goes on as it was trained. Set ones stay, and a restore
-        under them is refused as before. Returns the settings taken.
-
-        >>> s = Settings(loss="ace")
-        >>> s.follow_lineage({"ASER_METHOD": "er", "ASER_STEP": "joint", "ASER_LOSS": "ce"})
-        {'method': 'er', 'augment': False, 'iterations': 1}
-        >>> s.method, s.loss, s.learner_identity()
-        ('er', 'ace', {'ASER_METHOD': 'er', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace'})
-        """
-        if not identity:  # no checkpoint yet, or one from before identities were saved
-            return {}
-        # the identity names the stronger learner's options only where they were on
-        saved = {**{k: str(v) for k, v in OPTIONS_OFF.items()},
-                 **{k.removeprefix("ASER_").lower(): v for k, v in identity.items()}}
-        taken = {}
-        for name in LINEAGE_SETTINGS:
-            if name in self.model_fields_set or name not in saved:
-                continue
-            value = TypeAdapter(type(self).model_fields[name].annotation).validate_python(saved[name])
-            if value != (self.option(name) if name in OPTIONS_OFF else getattr(self, name)):
-                taken[name] = value
-                setattr(self, name, value)
-        return taken
 
     @property
     def database_path(self) -> Path:

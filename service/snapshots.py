@@ -27,10 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
-from learner.model import ReducedResNet18, scale_pixels
+from learner.backbone import ScratchBackbone, backbone_of
+from learner.base import ContinualLearner
 from learner.snapshot_format import INPUT_NAME, OUTPUT_NAME, metadata_props
 
 from . import __version__
@@ -43,31 +45,37 @@ log = logging.getLogger("aser.snapshots")
 class PixelsToLogits(nn.Module):
     """uint8 [n, 3, H, W] -> logits over the head rows `rows` (the classes learned and not
     forgotten), in eval mode, on a copy of `model` taken now (later training steps do not reach it).
-    The head is the model's own, or a given one (`head`: weight, bias) on unit-norm features
-    (`normalize`): the memory's class means, `learner.ncm.ncm_head`, as a layer of the graph."""
+    The pixels take the backbone's path (`pixel_module`): from scratch the scaled pixels into the
+    network; on the pretrained backbone the frozen part, the latent as stored and the top (or, with
+    `frozen_features`, the frozen network's own features, which a streaming head reads). The head is
+    the model's own or a given one (`head`: weight, bias), on unit-norm features with `normalize`
+    (the memory's class means, `learner.ncm.ncm_head`)."""
 
-    def __init__(self, model: ReducedResNet18, rows: list[int],
-                 head: tuple[torch.Tensor, torch.Tensor] | None = None, normalize: bool = False):
+    def __init__(self, model: nn.Module, rows: list[int], head: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 normalize: bool = False, backbone=None, frozen_features: bool = False):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
         weight, bias = head if head is not None else (net.head.weight, net.head.bias)
-        layer = nn.Linear(net.head.in_features, len(rows))
+        layer = nn.Linear(weight.shape[1], len(rows))
         with torch.no_grad():
             layer.weight.copy_(weight[rows])
             layer.bias.copy_(bias[rows])
         net.head = nn.Identity()
-        self.net, self.head, self.normalize = net, layer, normalize
+        backbone = backbone or ScratchBackbone((3, net.input_size, net.input_size))
+        self.input_size = backbone.image_shape[1] if backbone.name == "scratch" else backbone.input_size
+        self.features = backbone.pixel_module(None if frozen_features else net)
+        self.head, self.normalize = layer, normalize
         self.eval()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        features = self.net.features(scale_pixels(pixels))
+        features = self.features(pixels)
         return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features)
 
 
 def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: dict) -> None:
     """Write `net` as ONNX to `path`, with `classes` (its outputs, in order) and `metadata`."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # the exporter's registry chatter
-    size = net.net.input_size
+    size = net.input_size
     example = torch.zeros(2, 3, size, size, dtype=torch.uint8)
     program = torch.onnx.export(net, (example,), dynamo=True, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                                 dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), verbose=False)
@@ -82,21 +90,75 @@ class ExportJob:
     """What the export process needs: a copy of the weights taken between two steps."""
 
     weights: dict[str, torch.Tensor]
-    input_size: int
+    backbone: dict  # the learner's `backbone.identity()`
+    image_size: int
     classes: list[str]
     rows: list[int]  # the head row of each class
     path: Path
     metadata: dict
-    head: tuple[torch.Tensor, torch.Tensor] | None = None  # a head other than the model's (NCM)
+    head: tuple[torch.Tensor, torch.Tensor] | None = None  # the served head (None: the model's own)
     normalize: bool = False  # the head takes unit-norm features
+    frozen_features: bool = False  # the head reads the frozen network's features (a streaming head)
+    calibration: np.ndarray | None = None  # uint8 recent images: also an int8 variant (`quantise_snapshot`)
+    min_agreement: float = 1.0  # ... kept when its top-1 agrees with the fp32 graph on this share of them
 
 
-def run_export(job: ExportJob) -> int:
-    """Build the network from the weights, export it to job.path; returns the file's size."""
-    model = ReducedResNet18(job.weights["head.weight"].shape[0], input_size=job.input_size)
+def run_export(job: ExportJob) -> dict:
+    """Build the network from the weights, export it to job.path (and its int8 variant where asked
+    and agreeing); returns the files' sizes and the variant's agreement."""
+    backbone = backbone_of(job.backbone, (3, job.image_size, job.image_size))
+    model = backbone.make_model(job.weights["head.weight"].shape[0], seed=0)
     model.load_state_dict(job.weights)
-    export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize), job.classes, job.path, job.metadata)
-    return job.path.stat().st_size
+    export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize, backbone, job.frozen_features),
+                job.classes, job.path, job.metadata)
+    done = {"size": job.path.stat().st_size, "int8": None}
+    if job.calibration is not None:
+        int8 = int8_path(job.path)
+        agreement = quantise_snapshot(job.path, int8, job.calibration)
+        if agreement >= job.min_agreement:
+            done["int8"] = {"size": int8.stat().st_size, "agreement": agreement}
+        else:
+            int8.unlink(missing_ok=True)
+            log.warning("the int8 variant agrees with fp32 on %.1f%% of %d recent images, under %.1f%%: not kept",
+                        100 * agreement, len(job.calibration) // 2, 100 * job.min_agreement)
+    return done
+
+
+def int8_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".onnx") + ".int8.onnx")
+
+
+def quantise_snapshot(fp32: Path, int8: Path, images: np.ndarray) -> float:
+    """onnxruntime's static quantisation (QDQ, int8 weights per channel, uint8 activations) of the
+    snapshot `fp32` into `int8`, calibrated on every second of `images` (uint8 [n, 3, H, W]); returns the
+    share of the others on which the two answer the same top-1."""
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from learner.snapshot_format import OnnxSnapshot
+
+    calibrate, held_out = images[0::2], images[1::2]
+
+    class Recent(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{INPUT_NAME: calibrate[i:i + 8]} for i in range(0, len(calibrate), 8)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    tmp = int8.with_suffix(".onnx.tmp")
+    quantize_static(str(fp32), str(tmp), Recent(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    answers = [OnnxSnapshot(path, threads=1).logits(held_out).argmax(1) for path in (fp32, tmp)]
+    agreement = float((answers[0] == answers[1]).mean())
+    source, model = onnx.load(str(fp32), load_external_data=False), onnx.load(str(tmp))
+    del model.metadata_props[:]  # the snapshot's own metadata (labels, input shape, ...), and the variant's
+    model.metadata_props.extend(source.metadata_props)
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in source.metadata_props}, "variant": "int8",
+                                        "int8_agreement": json.dumps(agreement)})
+    onnx.save(model, str(tmp))
+    replace_durably(tmp, int8)
+    return agreement
 
 
 def _serve_exports(conn) -> None:
@@ -110,7 +172,7 @@ def _serve_exports(conn) -> None:
         except (EOFError, OSError):
             return  # the parent is gone
         try:
-            answer = (True, run_export(job) if job is not None else 0)  # None: warm up the imports
+            answer = (True, run_export(job) if job is not None else {})  # None: warm up the imports
         except Exception as exc:  # reported to the parent, which fails that snapshot only
             answer = (False, f"{type(exc).__name__}: {exc}")
         try:
@@ -129,7 +191,7 @@ class ExportProcess:
         self._proc.start()
         child.close()
 
-    def run(self, job: ExportJob | None, timeout: float) -> int:
+    def run(self, job: ExportJob | None, timeout: float) -> dict:
         try:
             self._conn.send(job)
             if not self._conn.poll(timeout):
@@ -156,24 +218,33 @@ class ExportProcess:
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,
     created REAL NOT NULL, model_version INTEGER NOT NULL, steps INTEGER NOT NULL,
-    samples_trained INTEGER NOT NULL, classes TEXT NOT NULL, size_bytes INTEGER NOT NULL, reason TEXT NOT NULL);
+    samples_trained INTEGER NOT NULL, classes TEXT NOT NULL, size_bytes INTEGER NOT NULL, reason TEXT NOT NULL,
+    int8_size_bytes INTEGER, int8_agreement REAL);
 """
 
 
 class SnapshotStore:
-    """Exports through the export process; lists and finds snapshots through the SQLite table."""
+    """Exports through the export process; lists and finds snapshots through the SQLite table.
+    `keep_exporter`: the export process stays between exports (its imports take seconds), or ends
+    after each (the pretrained backbone's: a process holding torch, the exporter and Lite0 costs some
+    360 MB between exports that seldom come, results/pretrained/service-soak-lite0.json)."""
 
-    def __init__(self, db: Database, directory: Path, method: str, timeout_s: float = 120.0, keep: int = 20):
+    def __init__(self, db: Database, directory: Path, method: str, timeout_s: float = 120.0, keep: int = 20,
+                 keep_exporter: bool = True):
         self.db = db
         self.directory = directory
         self.method = method
         self.timeout_s = timeout_s
         self.keep = keep
+        self.keep_exporter = keep_exporter
         directory.mkdir(parents=True, exist_ok=True)
         for orphan in directory.glob("*.onnx.tmp"):
             orphan.unlink()
         with db.schema() as schema:
             schema.executescript(SCHEMA)
+            if "int8_size_bytes" not in schema["snapshots"].columns_dict:  # databases of earlier versions
+                schema["snapshots"].add_column("int8_size_bytes", int)
+                schema["snapshots"].add_column("int8_agreement", float)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx-export")
         self._process: ExportProcess | None = None
         self._count_changed = threading.Condition()
@@ -183,55 +254,71 @@ class SnapshotStore:
             self.latest_classes: tuple[str, ...] | None = tuple(self.latest()["classes"])
         except NotFound:
             self.latest_classes = None
-        self._thread.submit(self._run, None)  # start the process and its imports now, not at the first export
+        if keep_exporter:
+            self._thread.submit(self._run, None)  # start the process and its imports now, not at the first export
 
-    def submit(self, model: ReducedResNet18, classes: list[str | None], version: int, steps: int, samples: int,
-               reason: str, head: tuple[torch.Tensor, torch.Tensor] | None = None, head_name: str = "softmax") -> Future:
-        """Queue an export of `model` as it is now (the weights are copied here, between steps),
-        with the head rows of `classes` that are not None (forgotten); the future gives the
-        snapshot's row, or raises SnapshotFailed."""
+    def submit(self, learner: ContinualLearner, classes: list[str | None], version: int, steps: int, samples: int,
+               reason: str, head: tuple[torch.Tensor, torch.Tensor] | None = None, head_name: str = "softmax",
+               calibration: np.ndarray | None = None, min_agreement: float = 1.0) -> Future:
+        """Queue an export of `learner`'s served network as it is now (the weights are copied here,
+        between steps), with the head rows of `classes` that are not None (forgotten) of `head` (the
+        served head; None: the network's own), and with `calibration` images an int8 variant kept
+        where it agrees (`run_export`); the future gives the snapshot's row, or raises SnapshotFailed."""
         rows = [i for i, label in enumerate(classes) if label is not None]
+        model = learner.serving_model
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         created = time.time()
         name = f"snapshot-{steps:09d}-v{version}-{time.time_ns()}.onnx"
         meta = {"model_version": version, "steps": steps, "samples_trained": samples, "method": self.method,
-                "head": head_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                "backbone": learner.backbone.name, "head": head_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                 "service_version": __version__}
         head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
-        job = ExportJob(weights, model.input_size, [classes[i] for i in rows], rows, self.directory / name, meta,
-                        head, normalize=head_name == "ncm")
+        job = ExportJob(weights, learner.backbone.identity(), learner.image_shape[1], [classes[i] for i in rows], rows,
+                        self.directory / name, meta, head, normalize=head_name == "ncm",
+                        frozen_features=learner.stream_head is not None, calibration=calibration,
+                        min_agreement=min_agreement)
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 
-    def _run(self, job: ExportJob | None) -> int:
+    def _run(self, job: ExportJob | None) -> dict:
         if self._process is None or not self._process.alive:
             self._process = ExportProcess()
         try:
             return self._process.run(job, self.timeout_s)
         except SnapshotFailed:
-            self._process.stop()
-            self._process = None
+            self._stop_process()
             raise
+        finally:
+            if not self.keep_exporter and self._process is not None:
+                self._stop_process()
+
+    def _stop_process(self) -> None:
+        self._process.stop()
+        self._process = None
 
     def _export(self, job: ExportJob, created: float, reason: str) -> dict:
         try:
-            size = self._run(job)
+            done = self._run(job)
+            size, int8 = done["size"], done["int8"] or {}
             with self.db.write() as conn:
                 sid = conn.execute("INSERT INTO snapshots (file, created, model_version, steps, samples_trained, "
-                                   "classes, size_bytes, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                   "classes, size_bytes, reason, int8_size_bytes, int8_agreement) "
+                                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                    (job.path.name, created, job.metadata["model_version"], job.metadata["steps"],
-                                    job.metadata["samples_trained"], json.dumps(job.classes), size, reason)).lastrowid
+                                    job.metadata["samples_trained"], json.dumps(job.classes), size, reason,
+                                    int8.get("size"), int8.get("agreement"))).lastrowid
                 old = conn.execute("SELECT id, file FROM snapshots WHERE id <= ?", (sid - self.keep,)).fetchall()
                 conn.execute("DELETE FROM snapshots WHERE id <= ?", (sid - self.keep,))
             for row in old:  # after the commit: a crash before it leaves every listed file in place
-                (self.directory / row["file"]).unlink(missing_ok=True)
+                self._remove_files(row["file"])
             self.latest_classes = tuple(job.classes)
-            log.info("snapshot %d: %d classes, model version %d, %d steps (%s), %.1f MB", sid, len(job.classes),
-                     job.metadata["model_version"], job.metadata["steps"], reason, size / 2**20)
+            log.info("snapshot %d: %d classes, model version %d, %d steps (%s), %.1f MB%s", sid, len(job.classes),
+                     job.metadata["model_version"], job.metadata["steps"], reason, size / 2**20,
+                     f", int8 {int8['size'] / 2**20:.1f} MB agreeing on {100 * int8['agreement']:.1f}%" if int8 else "")
             return self.get(sid)
         except BaseException:
             self._count(failures=1)
-            job.path.unlink(missing_ok=True)
+            self._remove_files(job.path.name)
             log.exception("snapshot export failed")
             raise
         finally:
@@ -254,7 +341,7 @@ class SnapshotStore:
                                              for f in forgotten)]
             conn.executemany("DELETE FROM snapshots WHERE id = ?", [(r["id"],) for r in doomed])
         for r in doomed:  # after the commit, as in _export
-            (self.directory / r["file"]).unlink(missing_ok=True)
+            self._remove_files(r["file"])
         if doomed:
             try:
                 self.latest_classes = tuple(self.latest()["classes"])
@@ -280,8 +367,17 @@ class SnapshotStore:
             raise NotFound("no snapshot yet")
         return self._public(row)
 
-    def path(self, row: dict) -> Path:
-        return self.directory / row["file"]
+    def path(self, row: dict, variant: str = "fp32") -> Path:
+        """A snapshot's file, or its int8 variant's (NotFound where it has none)."""
+        if variant == "fp32":
+            return self.directory / row["file"]
+        if row["int8"] is None:
+            raise NotFound(f"snapshot {row['id']} has no int8 variant (ASER_SNAPSHOT_INT8 was off, or it did not agree)")
+        return int8_path(self.directory / row["file"])
+
+    def _remove_files(self, name: str) -> None:
+        for path in (self.directory / name, int8_path(self.directory / name)):
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -292,4 +388,6 @@ class SnapshotStore:
     def _public(row) -> dict:
         return {"id": row["id"], "file": row["file"], "created": row["created"], "model_version": row["model_version"],
                 "steps": row["steps"], "samples_trained": row["samples_trained"],
-                "classes": json.loads(row["classes"]), "size_bytes": row["size_bytes"], "reason": row["reason"]}
+                "classes": json.loads(row["classes"]), "size_bytes": row["size_bytes"], "reason": row["reason"],
+                "int8": None if row["int8_size_bytes"] is None else
+                {"size_bytes": row["int8_size_bytes"], "agreement": row["int8_agreement"]}}

@@ -136,6 +136,14 @@ class IngestLog:
                                 "(SELECT seq FROM quarantine) ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
         return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in rows]
 
+    def recent_pixels(self, upto: int, n: int) -> list[bytes]:
+        """The pixels of up to `n` of the latest samples up to `upto` that still have them (retention
+        drops old ones), oldest first, without quarantined ones."""
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT image FROM samples WHERE seq <= ? AND length(image) > 0 AND seq NOT IN "
+                                "(SELECT seq FROM quarantine) ORDER BY seq DESC LIMIT ?", (upto, n)).fetchall()
+        return [r["image"] for r in reversed(rows)]
+
     def received(self) -> int:
         """Samples acknowledged since the log began: the last sequence number given."""
         with self.db.read() as conn:
@@ -218,14 +226,15 @@ def by_label(classes: Sequence[str | None], by_id: dict[int, V]) -> dict[str, V]
     return {label: v for c, v in by_id.items() if (label := label_of(classes, c)) is not None}
 
 
-def images_from_blobs(blobs: list[bytes], shape) -> torch.Tensor:
-    """Raw uint8 image bytes as stored in SQLite -> one tensor [n, *shape]."""
-    size = 1
+def images_from_blobs(blobs: list[bytes], shape, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Raw uint8 image bytes as stored in SQLite -> one tensor [n, *shape] (of `dtype`: a memory slot
+    on the pretrained backbone holds a latent)."""
+    size = dtype.itemsize
     for d in shape:
         size *= d
     for i, b in enumerate(blobs):
         if len(b) != size:
             raise ValueError(f"stored image {i} has {len(b)} bytes, expected {size} for shape {tuple(shape)}")
     if not blobs:  # an empty memory (ASER_MEM_SIZE=0, or its classes forgotten): frombuffer refuses 0 bytes
-        return torch.empty((0, *shape), dtype=torch.uint8)
-    return torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(len(blobs), *shape)
+        return torch.empty((0, *shape), dtype=dtype)
+    return torch.frombuffer(bytearray(b"".join(blobs)), dtype=dtype).view(len(blobs), *shape)

@@ -15,163 +15,81 @@ checkpoint (with a growing pause if failures repeat). A sample whose batch keeps
 tried alone on a scratch copy of the learner; if it fails alone it is quarantined (recorded,
 skipped from then on, reported), so one bad sample cannot stop learning. A checkpoint or a
 snapshot that fails is logged and counted; training goes on.
+
+The concerns beside the loop have modules of their own: which learner the data directory holds
+(`service.lineage`), what readers see and its corrections (`service.serving`), when to export
+(`service.snapshot_schedule`), setting bad samples aside (`service.quarantine`), forgetting a class
+(`service.forgetting`), the history's points (`service.online.HistoryRecorder`) and the lag bound's
+arithmetic (`learner.catch_up`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
-from learner import make_learner
 from learner.base import ContinualLearner
 from learner.catch_up import CHUNK, CatchUp
-from learner.model import scale_pixels
-from learner.ncm import ncm_head
 
 from .checkpoints import CheckpointStore, VersionLease
 from .db import Database, is_disk_full
-from .errors import NoClassesYet, StorageFull
+from .errors import StorageFull
+from .lineage import Lineage, lineage_of, make_learner_of
 from .metrics import Metrics
-from .online import History, HistoryPoint, OnlineAccuracy
+from .online import History, HistoryRecorder, OnlineAccuracy
+from .forgetting import ForgetRequests
+from .quarantine import PoisonGuard
+from .serving import MemoryView, Predictor, Published, Publisher
+from .snapshot_schedule import SnapshotSchedule
 from .settings import Settings
 from .snapshots import SnapshotStore
-from .store import Forgotten, IngestLog, LogEntry, by_label, images_from_blobs
+from .store import Forgotten, IngestLog, LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
 
-SUSPECT_AFTER = 2  # failed steps a sample took part in before it is tried alone
-SET_ASIDE_AFTER = 3  # ... before its batch is quarantined even though each sample passes alone
-
-
-@dataclass(frozen=True)
-class Predictor:
-    """An immutable inference model and the progress it stands for."""
-
-    features: object
-    head_weight: torch.Tensor
-    head_bias: torch.Tensor
-    classes: tuple[str | None, ...]  # by class id; None: forgotten
-    version: int
-    steps: int
-    samples_trained: int
-    trained_upto: int
-    samples_skipped: int = 0
-    samples_thinned: int = 0
-    rehearsal_steps: int = 0
-    lean_steps: int = 0
-    normalize: bool = False  # the head takes unit-norm features (the NCM head)
-
-    @classmethod
-    def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
-                     ncm: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Predictor":
-        """The serving weights' softmax head, or `ncm` (`learner.ncm.ncm_head`) on unit-norm features."""
-        weight, bias = ncm if ncm is not None else (learner.serving_model.head.weight, learner.serving_model.head.bias)
-        # classes ingested but not yet trained on have no head row yet; they are not answered
-        n = min(len(classes), weight.shape[0])
-        return cls(learner.inference_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
-                   tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
-                   learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps, learner.lean_steps,
-                   normalize=ncm is not None)
-
-    @property
-    def labels(self) -> tuple[str, ...]:
-        """The classes it answers (learned, not forgotten)."""
-        return tuple(c for c in self.classes if c is not None)
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return self.probabilities(images)
-
-    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
-        """Class probabilities of uint8 images [n, 3, H, W], on the CPU whatever device the model is on."""
-        with torch.inference_mode():
-            features = self.features(scale_pixels(images.to(self.head_weight.device)))
-            if self.normalize:
-                features = torch.nn.functional.normalize(features, dim=1)
-            logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
-            return torch.softmax(logits, dim=1).cpu()
-
-
-@dataclass(frozen=True)
-class MemoryView:
-    """A copy of the replay memory as of one step: class id, stream position and pixels per slot."""
-
-    class_ids: tuple[int, ...]
-    entered: tuple[int, ...]  # samples trained when the slot was written
-    images: torch.Tensor  # uint8 [size, 3, H, W]
-
-    @classmethod
-    def of(cls, learner: ContinualLearner) -> "MemoryView":
-        buffer = getattr(learner, "buffer", None)
-        if buffer is None:
-            return cls((), (), torch.zeros(0, dtype=torch.uint8))
-        n = buffer.size
-        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()),
-                   buffer.images[:n].cpu().clone())
-
-    def class_counts(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.class_ids).items()))
 
 
 def resolve_device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
-class MemoryDerived:
-    """When something derived from the memory (the NCM head, the served copy's corrections) is
-    remade: every `every` steps of progress, and whenever the memory's classes change."""
-
-    def __init__(self, every: int):
-        self.every, self.at, self.classes = every, -(10**9), set()
-
-    def due(self, progress: int, classes: set[int], force: bool = False) -> bool:
-        return force or progress - self.at >= self.every or classes != self.classes
-
-    def made(self, progress: int, classes: set[int]) -> None:
-        self.at, self.classes = progress, classes
-
-
-@dataclass(frozen=True)
-class Published:
-    """What readers see of the learner after one step: its predictor and its memory, together."""
-
-    predictor: Predictor
-    memory: MemoryView
-    current: bool = True  # the served corrections are those of the learner's latest step
-
-
 class LearnerWorker:
-    def __init__(self, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None):
+    """`lineage`: the learner the data directory holds (`service.lineage`; resolved here from the
+    checkpoints when not given)."""
+
+    def __init__(self, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None,
+                 lineage: Lineage | None = None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.store = store
         self.device = resolve_device(settings.device)
-        self.image_shape = (3, settings.image_size, settings.image_size)
         self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self.lineage = lineage or lineage_of(settings, self.checkpoints)
+        self.checkpoints.identity = self.lineage.identity()
+        self.image_shape = (3, self.lineage.image_size, self.lineage.image_size)
         self.versions = VersionLease(db)
         self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size) if settings.max_lag_s else None
-        self._follow_lineage()
-        self.lean_when_behind = bool(settings.option("lean_when_behind"))  # of the method the lineage has
+        self.lean_when_behind = self.lineage.lean_when_behind  # of the method the lineage has
         self._over_lag_bound = False  # in a lag-bound episode (logged once when it begins and when it ends)
-        self.published: Published | None = None  # what readers see; set by publish()
-        self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", settings.method,
-                                       settings.snapshot_timeout_s, settings.snapshot_keep)
+        self.publisher = Publisher(self.versions, self.lineage.head == "ncm", settings.serving_refresh_steps,
+                                   settings.ncm_refresh_steps)  # what readers see
+        self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", self.lineage.method,
+                                       settings.snapshot_timeout_s, settings.snapshot_keep,
+                                       keep_exporter=self.lineage.backbone == "scratch")
         self.history = History(db, settings.history_max_points)
-        self._snapshot_requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._forget_requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.schedule = SnapshotSchedule(self.snapshots, settings, self.lineage.head, store, self.image_shape)
+        self.forgetting = ForgetRequests(self)
         self.restarts = 0
         self.last_error: str | None = None
         self.checkpoint_failures = 0
-        self._failures: Counter[int] = Counter()  # seq -> failed steps it took part in
+        self.poison = PoisonGuard(store)  # a sample whose batch keeps failing is set aside
         self._in_step: list[int] = []
         self.last_step_seconds = 0.0
-        self._replayed_since_point = [0, 0.0]  # replayed samples, of them of an incoming class
+        self.recorder = HistoryRecorder(self.history, settings.history_every_steps)
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
@@ -196,23 +114,8 @@ class LearnerWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _follow_lineage(self) -> None:
-        """Go on as the data directory's lineage was trained where the settings leave it open (an
-        upgrade whose defaults differ), and check a restore against the result."""
-        taken = self.settings.follow_lineage(self.checkpoints.saved_identity())
-        if taken:
-            log.warning("the data directory's lineage was trained with %s, which this configuration does not set: "
-                        "going on with them (set them to choose otherwise; another lineage needs an empty data "
-                        "directory)", " ".join(f"ASER_{k.upper()}={v}" for k, v in taken.items()))
-        self.checkpoints.identity = self.settings.learner_identity()
-
     def _build_learner(self) -> ContinualLearner:
-        s = self.settings
-        return make_learner(s.method, num_classes=1, mem_size=s.mem_size, k=s.k, n_candidates=s.n_candidates,
-                            per_class=s.per_class, replay_batch=s.replay_batch_on(self.device), lr=s.lr,
-                            **s.replay_objective(), **s.stronger_learner(), device=self.device, seed=s.seed,
-                            image_shape=self.image_shape, latent_dtype=torch.bfloat16 if s.latent_bf16 else None,
-                            serving_bn=s.serving_bn, serving_bias=s.serving_bias)
+        return make_learner_of(self.lineage, self.settings, self.device)
 
     def _load(self) -> None:
         """(Re)start from the last committed checkpoint."""
@@ -228,17 +131,15 @@ class LearnerWorker:
         if reserved and learner.version <= reserved:  # the checkpoint is older than what was served since
             learner.rename_weights(above=reserved)
         self.learner = learner
-        self._last_snapshot = learner.steps
+        self.schedule.last_at = learner.steps
         self.checkpointed = self._last_checkpoint_try = self.progress()
         self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
-        self._ncm, self._ncm_made = None, MemoryDerived(self.settings.ncm_refresh_steps)  # the NCM head
-        self._served_made = MemoryDerived(self.settings.serving_refresh_steps)  # the served copy's corrections
+        self.publisher.restart()
         self.consistent = True
         self.publish()
         s = self.settings
-        log.info("learner: %s (%s), M=%d, %s, device %s, data in %s, %s", s.method, learner.name, s.mem_size,
-                 " ".join(f"{k}={v}" for k, v in {**s.replay_objective(), **s.stronger_learner()}.items()),
-                 self.device, s.data_dir.resolve(),
+        log.info("learner: %s (%s), M=%d, %s, device %s, data in %s, %s", self.lineage.method, learner.name,
+                 s.mem_size, self.lineage.describe(), self.device, s.data_dir.resolve(),
                  f"resumed from a checkpoint at sample {self.trained_upto} ({learner.steps} steps)"
                  if self.trained_upto else "a new lineage")
 
@@ -247,8 +148,8 @@ class LearnerWorker:
         try:
             while not self._stop.is_set():
                 try:
-                    self._serve_forget_requests()
-                    self._serve_snapshot_requests()
+                    self.forgetting.apply_pending()
+                    self.schedule.serve_requests(self.learner, self.predictor)
                     if self.train_available() or self.rehearse_if_idle() or self.correct_serving_if_idle():
                         failures_in_a_row = 0
                     else:
@@ -266,7 +167,7 @@ class LearnerWorker:
         log.error("learner step failed (samples %s); restarting from the last checkpoint",
                   f"{self._in_step[0]}..{self._in_step[-1]}" if self._in_step else "none", exc_info=exc)
         self.consistent = False
-        self._failures.update(self._in_step)
+        self.poison.failed(self._in_step)
         self._in_step = []
         self.restarts += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
@@ -301,7 +202,7 @@ class LearnerWorker:
             return False  # wait for a full batch a little longer
         lean = bool(self.lean_when_behind and self.catch_up
                     and self.catch_up.behind(time.time(), entries[0].received))
-        entries = self._set_aside_poison(entries)
+        entries = self.poison.set_aside(entries, self._fails_alone)
         if entries:
             self._step(entries, lean)
         return True
@@ -318,21 +219,12 @@ class LearnerWorker:
         self.trained_upto = entries[-1].seq
         self.consistent = True
         self._in_step = []
-        for e in entries:
-            self._failures.pop(e.seq, None)
-        self.metrics.train_step.observe(self.last_step_seconds)
-        self.metrics.samples_trained.inc(len(entries))
-        self.metrics.lean_steps.inc(lean)
-        replayed, incoming = stats.get("replayed", 0), float(stats.get("replayed_incoming", 0))
-        self.metrics.samples_replayed.inc(replayed)
-        self.metrics.replayed_incoming.inc(incoming)
-        self._replayed_since_point[0] += replayed
-        self._replayed_since_point[1] += incoming
+        self.poison.passed(e.seq for e in entries)
+        self.metrics.observe_step(self.last_step_seconds, len(entries), lean, stats)
         self.publish()
-        if self.learner.steps % self.settings.history_every_steps == 0:
-            self._record_history(stats.get("loss"))
+        self.recorder.stepped(self, stats)
         self._checkpoint_if_due()
-        self._maybe_snapshot()
+        self.schedule.export_if_due(self.learner, self.predictor)
 
     def _skip_behind(self) -> None:
         """Over the lag bound: the samples older than half of it are skipped, a chunk at a time,
@@ -340,7 +232,7 @@ class LearnerWorker:
         (`learner.catch_up`), so the memory keeps sampling the whole stream."""
         cutoff = self.catch_up.cutoff(time.time())
         entries = [e for e in self.store.after(self.trained_upto, CHUNK) if e.received < cutoff]
-        entries = self._set_aside_poison(entries)
+        entries = self.poison.set_aside(entries, self._fails_alone)
         if not entries:
             return
         self._in_step = [e.seq for e in entries]
@@ -361,7 +253,7 @@ class LearnerWorker:
         """While no batch is due: a replay-only step, within its share of the worker's time.
         Returns whether it rehearsed (or is pausing to keep to its share)."""
         s = self.settings
-        if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self._forget_requests.qsize():
+        if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self.forgetting.waiting:
             return False
         pause = self._rehearsal_next - time.monotonic()
         if pause > 0:  # keeping to the share; an arriving sample wakes the loop
@@ -401,41 +293,6 @@ class LearnerWorker:
         predicted = self.predictor.probabilities(images).argmax(1).tolist() if known else [-1] * len(labels)
         self.online.score(predicted, labels, known)
 
-    def _record_history(self, loss) -> None:
-        """One point of the time series; a failure to write it never stops training."""
-        classes = self.predictor.classes
-        replayed, incoming = self._replayed_since_point
-        point = HistoryPoint(
-            samples_trained=self.learner.samples_seen, steps=self.learner.steps, at=time.time(),
-            accuracy=self.online.accuracy, window_accuracy=self.online.window_accuracy,
-            new_class_samples=self.online.new_class_samples, loss=None if loss is None else float(loss),
-            step_ms=round(1000 * self.last_step_seconds, 2), received=self.store.received(),
-            backlog=self.store.pending(self.trained_upto), lag_s=round(self.lag_seconds(), 3),
-            samples_skipped=self.learner.samples_skipped, samples_thinned=self.learner.samples_thinned,
-            rehearsal_steps=self.learner.rehearsal_steps,
-            per_class=by_label(classes, {c: right / n for c, (right, n) in self.online.per_class().items()}),
-            memory=by_label(classes, self.memory.class_counts()),
-            replayed_incoming_share=round(100 * incoming / replayed, 2) if replayed else None)
-        self._replayed_since_point = [0, 0.0]
-        try:
-            self.history.add(point)
-        except Exception:
-            log.exception("writing a history point failed; training goes on")
-
-    def _set_aside_poison(self, entries: list[LogEntry]) -> list[LogEntry]:
-        """Quarantine the samples of this batch that make training fail every time."""
-        worst = max(self._failures.get(e.seq, 0) for e in entries)
-        if worst < SUSPECT_AFTER:
-            return entries
-        errors = {e.seq: err for e in entries if (err := self._fails_alone(e)) is not None}
-        if not errors and worst >= SET_ASIDE_AFTER:
-            errors = {e.seq: f"its batch failed {worst} times" for e in entries}
-        for seq, error in errors.items():
-            log.error("quarantining sample %d: %s", seq, error)
-            self.store.quarantine(seq, error)
-            self._failures.pop(seq, None)
-        return [e for e in entries if e.seq not in errors]
-
     def _fails_alone(self, entry: LogEntry) -> str | None:
         """Train a scratch copy of the learner on this one sample; the error, if it fails."""
         scratch = self._build_learner()
@@ -448,73 +305,28 @@ class LearnerWorker:
 
     def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
-        self._refresh_serving(refresh_head)
-        self._refresh_ncm_head(refresh_head)
-        try:
-            self.versions.cover(self.learner.version)
-        except StorageFull:  # the database logs the episode; learning and serving go on, reserved once space returns
-            pass
-        known = set(self.published.predictor.labels) if self.published is not None else None
-        # one object, one swap: a reader never sees the model of one step beside the memory of another
-        self.published = Published(Predictor.from_learner(self.learner, self.store.classes(), self.trained_upto,
-                                                          self._ncm), MemoryView.of(self.learner),
-                                   self._serving_current())
-        if known is not None:
-            for label in sorted(set(self.published.predictor.labels) - known):
-                log.info("learner: new class %r (%d classes, step %d)", label, len(self.published.predictor.labels),
-                         self.learner.steps)
+        self.publisher.publish(self.learner, self.store.classes(), self.trained_upto, self.progress(), refresh_head)
 
     @property
-    def predictor(self) -> "Predictor":
+    def published(self) -> Published | None:
+        return self.publisher.published
+
+    @property
+    def predictor(self) -> Predictor:
         return self.published.predictor
 
     @property
-    def memory(self) -> "MemoryView":
+    def memory(self) -> MemoryView:
         return self.published.memory
 
     def correct_serving_if_idle(self) -> bool:
         """Nothing to train: bring the served copy's corrections up to the learner, so that an idle
         service answers with its latest weights, not those of up to ASER_SERVING_REFRESH_STEPS steps
         ago (a young service has had fewer steps than that). Returns whether it did."""
-        if self._serving_current():
+        if not self.publisher.correct_now(self.learner, self.progress()):
             return False
-        self._refresh_serving(force=True)
-        self.learner.rename_weights()  # other answers from the same step: another model_version
         self.publish()
         return True
-
-    def _corrects_serving(self) -> bool:
-        return self.learner.serving_bn == "memory" or self.learner.serving_bias
-
-    def _serving_current(self) -> bool:
-        """Whether the served copy carries the corrections of the learner's latest step."""
-        return not self._corrects_serving() or self._served_made.at == self.progress()
-
-    def _refresh_serving(self, force: bool) -> None:
-        """With ASER_SERVING_BN=memory or ASER_SERVING_BIAS: a copy of the served weights corrected
-        on the memory (`ContinualLearner.refresh_serving`), every ASER_SERVING_REFRESH_STEPS steps
-        and whenever the memory's classes change."""
-        if not self._corrects_serving():
-            return
-        classes = self._memory_classes()
-        if self._served_made.due(self.progress(), classes, force):
-            self.learner.refresh_serving()
-            self._served_made.made(self.progress(), classes)
-
-    def _refresh_ncm_head(self, force: bool) -> None:
-        """With ASER_HEAD=ncm: the class means, from a feature pass over the memory, every
-        ASER_NCM_REFRESH_STEPS steps and whenever the memory's classes change (a new class is
-        answered at once, a forgotten one never again)."""
-        if self.settings.head != "ncm":
-            return
-        classes = self._memory_classes()
-        if self._ncm_made.due(self.progress(), classes, force):
-            self._ncm = ncm_head(self.learner)
-            self._ncm_made.made(self.progress(), classes)
-
-    def _memory_classes(self) -> set[int]:
-        buffer = getattr(self.learner, "buffer", None)
-        return set(buffer.class_counts()) if buffer is not None else set()
 
     def checkpoint(self) -> bool:
         """Persist the lineage; a failure (disk full, say) is logged and retried later."""
@@ -533,77 +345,15 @@ class LearnerWorker:
         self.checkpointed = self._last_checkpoint_try = self.progress()
         return True
 
-    # --- forgetting a class -------------------------------------------------------------
+    # --- forgetting a class (service.forgetting) -----------------------------------------
     def forget(self, label: str) -> tuple[Forgotten, Future]:
-        """Forget a class: durably first (log, memory rows, in one transaction), then in the
-        learner between two steps; the future is done when the live model has forgotten it."""
-        forgotten = self.store.forget(label, also=self.checkpoints.forget_rows)
-        applied: Future = Future()
-        self._forget_requests.put((forgotten, applied))
-        self.wakeup.set()
-        return forgotten, applied
+        """Forget a class: durably first, then in the learner between two steps; the future is done
+        when the live model has forgotten it."""
+        return self.forgetting.submit(label)
 
-    def _serve_forget_requests(self) -> None:
-        while not self._forget_requests.empty():
-            forgotten, applied = self._forget_requests.get()
-            try:
-                removed = self.learner.forget_class(forgotten.class_id)
-                self.online.forget_class(forgotten.class_id)
-                self.publish(refresh_head=True)
-                self.checkpoint()
-                self.snapshots.purge(self.store.forgotten())
-                self._maybe_snapshot()
-            except Exception as exc:  # durable already: a restart applies it from the log
-                applied.set_exception(exc)
-                raise
-            # beside the worker: rewriting a long history must not hold training (or the lag bound); the
-            # request is answered once it is done
-            threading.Thread(target=self._forget_in_history, args=(forgotten.label, applied, removed),
-                             name="history-forget", daemon=True).start()
-
-    def _forget_in_history(self, label: str, applied: Future, removed: int) -> None:
-        try:
-            self.history.forget_label(label)
-        except Exception:  # the history is what the dashboard draws; the forgetting itself is durable
-            log.exception("removing %r from the history failed", label)
-        applied.set_result(removed)
-
-    # --- snapshots ---------------------------------------------------------------------
+    # --- snapshots (service.snapshot_schedule) -------------------------------------------
     def request_snapshot(self) -> Future:
         """Export the model as it is after the step in progress; the future gives the snapshot row."""
-        answer: Future = Future()
-        self._snapshot_requests.put(answer)
+        answer = self.schedule.request()
         self.wakeup.set()
         return answer
-
-    def _serve_snapshot_requests(self) -> None:
-        while not self._snapshot_requests.empty():
-            answer = self._snapshot_requests.get()
-            if not self.predictor.labels:
-                answer.set_exception(NoClassesYet("the model has not learned any class yet"))
-                continue
-            self._snapshot("request").add_done_callback(lambda done, answer=answer: _relay(done, answer))
-
-    def _maybe_snapshot(self) -> None:
-        """Export every N steps, and as soon as the model answers a class set no snapshot has
-        (so replicas follow new classes without waiting N steps); one export at a time."""
-        every = self.settings.snapshot_every_steps
-        if not every or self.snapshots.in_flight:
-            return
-        new_classes = self.predictor.labels != self.snapshots.latest_classes
-        if new_classes or self.learner.steps - self._last_snapshot >= every:
-            self._snapshot("new classes" if new_classes else "periodic")
-
-    def _snapshot(self, reason: str) -> Future:
-        p = self.predictor  # the classes the published weights answer
-        self._last_snapshot = self.learner.steps
-        head = (p.head_weight, p.head_bias) if p.normalize else None  # the NCM head, as a layer of the graph
-        return self.snapshots.submit(self.learner.serving_model, list(p.classes), p.version, p.steps, p.samples_trained,
-                                     reason, head, self.settings.head)
-
-
-def _relay(done: Future, answer: Future) -> None:
-    if done.exception() is not None:
-        answer.set_exception(done.exception())
-    else:
-        answer.set_result(done.result())

@@ -156,7 +156,7 @@ def test_snapshots_export_in_another_process_while_training_goes_on(tmp_path, ci
     for i, (x, y) in enumerate(task_batches(cifar10_slice, list(range(10)), 10, torch.Generator().manual_seed(0))):
         learner.observe(x, y)
         if i % 5 == 0 and len(futures) < 4:
-            futures.append(snapshots.submit(learner.model, cifar10_slice.class_names, learner.version,
+            futures.append(snapshots.submit(learner, cifar10_slice.class_names, learner.version,
                                             learner.steps, learner.samples_seen, "request"))
         if i == 60:
             break
@@ -326,7 +326,8 @@ def test_a_data_directory_goes_on_as_its_lineage_was_trained_where_the_settings_
     worker.stop()
     left_open = Settings(data_dir=tmp_path, mem_size=30, batch_size=5, max_batch_wait_s=0, snapshot_every_steps=0)
     again = LearnerWorker(left_open, worker.checkpoints.db, worker.store)
-    assert {k: getattr(left_open, k) for k in old} == old and again.trained_upto == 10
+    assert {k: getattr(again.lineage, k) for k in old} == old and again.trained_upto == 10
+    assert again.lineage.taken == ("method", "loss", "augment", "iterations")
     assert again.learner.objective.loss == "ce" and again.learner.augment is None and again.learner.iterations == 1
     store = again.store
     names = cifar10_slice.class_names

@@ -42,15 +42,16 @@ def acknowledgement(stored: list[Stored]) -> dict:
             "first_seq": min(seqs), "last_seq": max(seqs), "seqs": seqs}
 
 
-def to_new_samples(labels: list[str], blobs: list[bytes], ids: list, settings: Settings) -> list[NewSample]:
+def to_new_samples(labels: list[str], blobs: list[bytes], ids: list, rt: Runtime) -> list[NewSample]:
     """Decode and check every image; the request is refused whole if one is bad."""
-    pixels = decode_images(blobs, settings.image_size, settings.max_image_bytes, settings.strict_image_size)
+    settings = rt.settings
+    pixels = decode_images(blobs, rt.image_size, settings.max_image_bytes, settings.strict_image_size)
     return [NewSample(label, image.tobytes(), sid) for label, image, sid in zip(labels, pixels, ids, strict=True)]
 
 
 async def commit(rt: Runtime, labels: list[str], blobs: list[bytes], ids: list) -> dict:
     """Validate, commit to the ingest log (durable on return), wake the learner."""
-    samples = await run_in_threadpool(to_new_samples, labels, blobs, ids, rt.settings)
+    samples = await run_in_threadpool(to_new_samples, labels, blobs, ids, rt)
     stored = await run_in_threadpool(rt.store.append, samples, rt.settings.max_classes)
     rt.worker.wakeup.set()
     rt.metrics.samples_received.inc(sum(not s.duplicate for s in stored))

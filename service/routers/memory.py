@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import NotFound
 from ..settings import Settings
 from ..store import by_label, label_of
-from ..worker import MemoryView
+from ..serving import MemoryView
 from .auth import require
 from .errors import error_responses
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from ..lineage import replay_batch_on
 from ..online import HistoryPoint
 from ..retention import database_bytes
 from ..runtime import Runtime
@@ -110,6 +111,7 @@ class Status(BaseModel):
 def status(rt: Runtime) -> dict:
     worker, store = rt.worker, rt.store
     published = worker.published  # read once: the model and the memory of one step
+    lineage = worker.lineage
     p, memory = published.predictor, published.memory
     classes = store.classes()
     n_quarantined, recent = store.quarantined()
@@ -127,12 +129,14 @@ def status(rt: Runtime) -> dict:
         "steps": p.steps,
         "serving_current": published.current,
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
-        "method": rt.settings.method,
+        "method": lineage.method,
         "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "k", "n_candidates",
-                                                                    "per_class", "lr", "seed")},
-                   "replay_batch": rt.settings.replay_batch_on(worker.device),
-                   **rt.settings.replay_objective(), **rt.settings.stronger_learner(), "head": rt.settings.head,
-                   "serving_bn": rt.settings.serving_bn, "serving_bias": rt.settings.serving_bias},
+                                                                    "per_class", "seed")},
+                   "backbone": lineage.backbone, "image_size": lineage.image_size,
+                   **lineage.backbone_settings(), "lr": lineage.lr,
+                   "replay_batch": replay_batch_on(rt.settings, worker.device),
+                   **lineage.replay_objective(), **lineage.stronger_learner(), "head": lineage.head,
+                   "serving_bn": rt.settings.serving_bn, "serving_bias": lineage.serving_bias},
         "worker": {"alive": worker.alive, "restarts": worker.restarts, "last_error": worker.last_error,
                    "checkpoint_failures": worker.checkpoint_failures,
                    "snapshot_failures": worker.snapshots.failures, "quarantined": n_quarantined,

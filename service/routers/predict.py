@@ -36,7 +36,7 @@ class Predictions(BaseModel):
 
 
 def predict(runtime: Runtime, blobs: list[bytes], k: int, settings: Settings) -> dict:
-    images = torch.from_numpy(decode_images(blobs, settings.image_size, settings.max_image_bytes,
+    images = torch.from_numpy(decode_images(blobs, runtime.image_size, settings.max_image_bytes,
                                             settings.strict_image_size))
     if not runtime.worker.predictor.labels:
         raise NoClassesYet("the model has not learned any class yet")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import Unavailable
@@ -20,6 +20,11 @@ MAX_ID = 2**63 - 1  # SQLite's largest integer: an id beyond it names no snapsho
 SNAPSHOT_ID = Path(..., pattern=r"^(latest|[0-9]{1,19})$", description="a snapshot id, or 'latest'")
 
 
+class Int8Variant(BaseModel):
+    size_bytes: int
+    agreement: float = Field(description="share of recent images on which its top-1 is the fp32 graph's")
+
+
 class Snapshot(BaseModel):
     id: int
     file: str
@@ -30,6 +35,7 @@ class Snapshot(BaseModel):
     classes: list[str]
     size_bytes: int
     reason: Literal["request", "periodic", "new classes"]
+    int8: Int8Variant | None = Field(None, description="its int8 variant (ASER_SNAPSHOT_INT8), where kept")
 
 
 class SnapshotList(BaseModel):
@@ -60,8 +66,10 @@ def router(settings: Settings) -> APIRouter:
                  "headers": {"X-Snapshot-Id": {"schema": {"type": "string"}},
                              "X-Model-Version": {"schema": {"type": "string"}}}},
                  **error_responses(401, 403, 404, 422)})
-    async def download_snapshot(request: Request, snapshot_id: str = SNAPSHOT_ID):
-        """The .onnx file of a snapshot (an id, or 'latest')."""
+    async def download_snapshot(request: Request, snapshot_id: str = SNAPSHOT_ID,
+                                variant: Literal["fp32", "int8"] = Query("fp32", description="the int8 variant, "
+                                                                         "where the snapshot has one (404 otherwise)")):
+        """The .onnx file of a snapshot (an id, or 'latest'), or its int8 variant's."""
         snapshots = request.app.state.runtime.worker.snapshots
         if snapshot_id == "latest":
             row = await run_in_threadpool(snapshots.latest)
@@ -69,7 +77,8 @@ def router(settings: Settings) -> APIRouter:
             raise InputError("not_found", f"no snapshot {snapshot_id}", 404)
         else:
             row = await run_in_threadpool(snapshots.get, int(snapshot_id))
-        return FileResponse(snapshots.path(row), media_type="application/octet-stream", filename=row["file"],
+        path = snapshots.path(row, variant)
+        return FileResponse(path, media_type="application/octet-stream", filename=path.name,
                             headers={"X-Snapshot-Id": str(row["id"]), "X-Model-Version": str(row["model_version"])})
 
     return api

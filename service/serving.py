@@ -1,0 +1,197 @@
+"""What readers of a running learner see, replaced whole between two steps: the predictor (an
+immutable inference model) and a copy of the replay memory (`Published`), kept up to the learner
+by the `Publisher` (the served copy's corrections on the memory, the NCM head, the version lease).
+
+A predictor takes uint8 pixels to class probabilities through the learner's served path
+(`ContinualLearner.pixel_features` and `served_head`): the folded network from scratch; on the
+pretrained backbone the frozen part, the latent as stored and the top's features, or the frozen
+features under streaming LDA. Training never changes one already published.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from learner.base import ContinualLearner
+from learner.ncm import ncm_head
+
+from .checkpoints import VersionLease
+from .errors import StorageFull
+
+log = logging.getLogger("aser.worker")
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """An immutable inference model and the progress it stands for."""
+
+    features: object  # uint8 pixels -> the features the head reads
+    head_weight: torch.Tensor
+    head_bias: torch.Tensor
+    classes: tuple[str | None, ...]  # by class id; None: forgotten
+    version: int
+    steps: int
+    samples_trained: int
+    trained_upto: int
+    samples_skipped: int = 0
+    samples_thinned: int = 0
+    rehearsal_steps: int = 0
+    lean_steps: int = 0
+    normalize: bool = False  # the head takes unit-norm features (the NCM head)
+
+    @classmethod
+    def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
+                     ncm: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Predictor":
+        """The learner's served head, or `ncm` (`learner.ncm.ncm_head`) on unit-norm features."""
+        weight, bias = ncm if ncm is not None else learner.served_head()
+        # classes ingested but not yet trained on have no head row yet; they are not answered
+        n = min(len(classes), weight.shape[0])
+        return cls(learner.pixel_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
+                   tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
+                   learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps, learner.lean_steps,
+                   normalize=ncm is not None)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The classes it answers (learned, not forgotten)."""
+        return tuple(c for c in self.classes if c is not None)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return self.probabilities(images)
+
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        """Class probabilities of uint8 images [n, 3, H, W], on the CPU whatever device the model is on."""
+        with torch.inference_mode():
+            features = self.features(images.to(self.head_weight.device)).float()
+            if self.normalize:
+                features = torch.nn.functional.normalize(features, dim=1)
+            logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
+            return torch.softmax(logits, dim=1).cpu()
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """A copy of the replay memory as of one step: class id, stream position and a picture per slot
+    (the pixels themselves from scratch; on the pretrained backbone, whose slots hold latents, the
+    small picture kept of each, `ReplayBuffer.pictures`)."""
+
+    class_ids: tuple[int, ...]
+    entered: tuple[int, ...]  # samples trained when the slot was written
+    images: torch.Tensor  # uint8 [size, 3, H, W]
+
+    @classmethod
+    def of(cls, learner: ContinualLearner) -> "MemoryView":
+        buffer = getattr(learner, "buffer", None)
+        if buffer is None:
+            return cls((), (), torch.zeros(0, dtype=torch.uint8))
+        n = buffer.size
+        pictures = buffer.pictures if buffer.images.dtype != torch.uint8 or buffer.images.dim() != 4 else buffer.images
+        if pictures is None:  # a latent memory restored from before pictures were kept
+            pictures = torch.zeros((buffer.capacity, 3, 1, 1), dtype=torch.uint8)
+        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()), pictures[:n].cpu().clone())
+
+    def class_counts(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.class_ids).items()))
+
+
+class MemoryDerived:
+    """When something derived from the memory (the NCM head, the served copy's corrections) is
+    remade: every `every` steps of progress, and whenever the memory's classes change."""
+
+    def __init__(self, every: int):
+        self.every, self.at, self.classes = every, -(10**9), set()
+
+    def due(self, progress: int, classes: set[int], force: bool = False) -> bool:
+        return force or progress - self.at >= self.every or classes != self.classes
+
+    def made(self, progress: int, classes: set[int]) -> None:
+        self.at, self.classes = progress, classes
+
+
+@dataclass(frozen=True)
+class Published:
+    """What readers see of the learner after one step: its predictor and its memory, together."""
+
+    predictor: Predictor
+    memory: MemoryView
+    current: bool = True  # the served corrections are those of the learner's latest step
+
+
+class Publisher:
+    """Keeps what readers see up to the learner, between two steps: with ASER_SERVING_BN=memory or
+    ASER_SERVING_BIAS the served copy corrected on the memory (`ContinualLearner.refresh_serving`), with
+    ASER_HEAD=ncm the class means of the memory, each every N steps of progress and whenever the memory's
+    classes change; then one `Published`, swapped whole, its version reserved first (`VersionLease`)."""
+
+    def __init__(self, versions: VersionLease, ncm: bool, serving_refresh_steps: int, ncm_refresh_steps: int):
+        self.versions, self.ncm = versions, ncm
+        self.serving_refresh_steps, self.ncm_refresh_steps = serving_refresh_steps, ncm_refresh_steps
+        self.published: Published | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """A learner (re)loaded from a checkpoint: everything derived from the memory is remade."""
+        self._ncm_head, self._ncm_made = None, MemoryDerived(self.ncm_refresh_steps)
+        self._served_made = MemoryDerived(self.serving_refresh_steps)
+
+    def publish(self, learner: ContinualLearner, classes: list[str | None], trained_upto: int, progress: int,
+                refresh: bool = False) -> None:
+        """Bring the corrections due up to `learner` (all of them with `refresh`) and publish it."""
+        self._refresh_serving(learner, progress, refresh)
+        self._refresh_ncm_head(learner, progress, refresh)
+        try:
+            self.versions.cover(learner.version)
+        except StorageFull:  # the database logs the episode; learning and serving go on, reserved once space returns
+            pass
+        known = set(self.published.predictor.labels) if self.published is not None else None
+        # one object, one swap: a reader never sees the model of one step beside the memory of another
+        self.published = Published(Predictor.from_learner(learner, classes, trained_upto, self._ncm_head),
+                                   MemoryView.of(learner), self.current(learner, progress))
+        if known is not None:
+            labels = self.published.predictor.labels
+            for label in sorted(set(labels) - known):
+                log.info("learner: new class %r (%d classes, step %d)", label, len(labels), learner.steps)
+
+    def current(self, learner: ContinualLearner, progress: int) -> bool:
+        """Whether the served copy carries the corrections of the learner's latest step."""
+        return not _corrects_serving(learner) or self._served_made.at == progress
+
+    def correct_now(self, learner: ContinualLearner, progress: int) -> bool:
+        """The served copy's corrections brought up to the learner now, under a new weights version
+        (other answers from the same step); False when they were current already."""
+        if self.current(learner, progress):
+            return False
+        self._refresh_serving(learner, progress, force=True)
+        learner.rename_weights()
+        return True
+
+    def _refresh_serving(self, learner: ContinualLearner, progress: int, force: bool) -> None:
+        if not _corrects_serving(learner):
+            return
+        classes = _memory_classes(learner)
+        if self._served_made.due(progress, classes, force):
+            learner.refresh_serving()
+            self._served_made.made(progress, classes)
+
+    def _refresh_ncm_head(self, learner: ContinualLearner, progress: int, force: bool) -> None:
+        """The class means from a feature pass over the memory: a new class is answered at once, a
+        forgotten one never again."""
+        if not self.ncm:
+            return
+        classes = _memory_classes(learner)
+        if self._ncm_made.due(progress, classes, force):
+            self._ncm_head = ncm_head(learner)
+            self._ncm_made.made(progress, classes)
+
+
+def _corrects_serving(learner: ContinualLearner) -> bool:
+    return learner.serving_bn == "memory" or learner.serving_bias
+
+
+def _memory_classes(learner: ContinualLearner) -> set[int]:
+    buffer = getattr(learner, "buffer", None)
+    return set(buffer.class_counts()) if buffer is not None else set()

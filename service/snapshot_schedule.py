@@ -1,0 +1,81 @@
+"""When the learner's model is exported (`service.snapshots` does the exporting): on request, every
+ASER_SNAPSHOT_EVERY_STEPS steps, and as soon as the published model answers a class set no snapshot
+has (so replicas follow new classes without waiting N steps), one scheduled export at a time. It
+runs on the worker's thread, between two steps, so an export copies the weights of one step."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from concurrent.futures import Future
+
+import numpy as np
+
+from learner.base import ContinualLearner
+
+from .errors import NoClassesYet
+from .serving import Predictor
+from .settings import Settings
+from .snapshots import SnapshotStore
+from .store import IngestLog, images_from_blobs
+
+log = logging.getLogger("aser.worker")
+
+MIN_CALIBRATION_IMAGES = 16  # an int8 variant calibrates on half and is checked on the other half
+
+
+class SnapshotSchedule:
+    def __init__(self, snapshots: SnapshotStore, settings: Settings, head: str, store: IngestLog,
+                 image_shape: tuple[int, int, int]):
+        self.snapshots, self.settings, self.head = snapshots, settings, head
+        self.store, self.image_shape = store, image_shape
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_at = 0  # the learner's steps at the last export
+
+    def request(self) -> Future:
+        """An export of the model as it is after the step in progress; the future gives the snapshot row."""
+        answer: Future = Future()
+        self._requests.put(answer)
+        return answer
+
+    def serve_requests(self, learner: ContinualLearner, predictor: Predictor) -> None:
+        while not self._requests.empty():
+            answer = self._requests.get()
+            if not predictor.labels:
+                answer.set_exception(NoClassesYet("the model has not learned any class yet"))
+                continue
+            self.export(learner, predictor, "request").add_done_callback(lambda done, a=answer: _relay(done, a))
+
+    def export_if_due(self, learner: ContinualLearner, predictor: Predictor) -> None:
+        every = self.settings.snapshot_every_steps
+        if not every or self.snapshots.in_flight:
+            return
+        new_classes = predictor.labels != self.snapshots.latest_classes
+        if new_classes or learner.steps - self.last_at >= every:
+            self.export(learner, predictor, "new classes" if new_classes else "periodic")
+
+    def export(self, learner: ContinualLearner, predictor: Predictor, reason: str) -> Future:
+        """The published model (its classes and head) with the learner's network, copied now."""
+        p = predictor
+        self.last_at = learner.steps
+        return self.snapshots.submit(learner, list(p.classes), p.version, p.steps, p.samples_trained, reason,
+                                     (p.head_weight, p.head_bias), self.head, self._calibration_images(p.trained_upto),
+                                     self.settings.snapshot_int8_min_agreement)
+
+    def _calibration_images(self, trained_upto: int) -> np.ndarray | None:
+        """With ASER_SNAPSHOT_INT8: recent images for the int8 variant's calibration and check (None:
+        off, or too few yet)."""
+        if not self.settings.snapshot_int8:
+            return None
+        blobs = self.store.recent_pixels(trained_upto, self.settings.snapshot_int8_images)
+        if len(blobs) < MIN_CALIBRATION_IMAGES:
+            log.info("no int8 variant yet: %d recent images, %d needed", len(blobs), MIN_CALIBRATION_IMAGES)
+            return None
+        return images_from_blobs(blobs, self.image_shape).numpy()
+
+
+def _relay(done: Future, answer: Future) -> None:
+    if done.exception() is not None:
+        answer.set_exception(done.exception())
+    else:
+        answer.set_result(done.result())

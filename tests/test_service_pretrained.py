@@ -1,0 +1,178 @@
+"""The service on the pretrained backbone (ASER_BACKBONE=lite0), end to end as a real uvicorn process:
+camera-sized JPEGs of real photos in, answers from the first few images a class, an ONNX snapshot
+that is the whole network and answers as /predict, the memory browser's pictures, forgetting, a
+restart that goes on as the data directory was trained, and a clear refusal when the backbone is
+mixed."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from .test_service import Server, b64, status, wait_trained
+
+# scikit-image's real photographs, one class each
+PHOTOS = {"cat": "chelsea.png", "coffee": "coffee.png", "rocket": "rocket.jpg", "astronaut": "astronaut.png",
+          "motorcycle": "motorcycle_left.png"}
+TRAIN_A_CLASS, TEST_A_CLASS = 6, 2
+
+
+def camera_shots(photo: Image.Image, n: int, seed: int) -> list[bytes]:
+    """`n` camera-sized (640x480) JPEGs of one scene: random 4:3 framings covering 70-95% of its
+    width, some mirrored, as a phone would take it several times."""
+    rng = np.random.default_rng(seed)
+    w, h = photo.size
+    shots = []
+    for _ in range(n):
+        cw = int(w * rng.uniform(0.7, 0.95))
+        ch = min(h, cw * 3 // 4)
+        left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+        shot = photo.crop((left, top, left + cw, top + ch)).resize((640, 480), Image.BILINEAR)
+        if rng.random() < 0.5:
+            shot = shot.transpose(Image.FLIP_LEFT_RIGHT)
+        buf = io.BytesIO()
+        shot.save(buf, "JPEG", quality=90)
+        shots.append(buf.getvalue())
+    return shots
+
+
+@pytest.fixture(scope="module")
+def photos():
+    """label -> (training shots, held-out shots)."""
+    from skimage import data_dir
+
+    scenes = {}
+    for i, (label, name) in enumerate(PHOTOS.items()):
+        photo = Image.open(os.path.join(data_dir, name)).convert("RGB")
+        shots = camera_shots(photo, TRAIN_A_CLASS + TEST_A_CLASS, seed=i)
+        scenes[label] = shots[:TRAIN_A_CLASS], shots[TRAIN_A_CLASS:]
+    return scenes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("lite0"), backbone="lite0", batch_size=5, mem_size=20, snapshot_int8=True,
+               snapshot_int8_min_agreement=0.5).start()
+    yield s
+    s.stop()
+
+
+def held_out(photos) -> tuple[list[str], list[bytes]]:
+    labels = [label for label, (_, test) in photos.items() for _ in test]
+    return labels, [shot for _, test in photos.values() for shot in test]
+
+
+def predict(server, images: list[bytes], k: int = 1) -> dict:
+    r = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in images], "k": k}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_fresh_service_answers_camera_photos_after_six_a_class(server, photos):
+    """Six 640x480 photos of each of five scenes: the frozen ImageNet features and streaming LDA (its
+    class means while a class is young) answer new framings of every scene, where a network from
+    scratch on six images a class answers near chance."""
+    for label, (train, _) in photos.items():
+        files = [("image", (f"{label}{i}.jpg", shot, "image/jpeg")) for i, shot in enumerate(train)]
+        r = httpx.post(f"{server.url}/samples", files=files, data={"label": [label] * len(train)}, timeout=60)
+        assert r.status_code == 201, r.text
+    st = wait_trained(server, len(photos) * TRAIN_A_CLASS, timeout=600)
+    assert st["config"]["backbone"] == "lite0" and st["config"]["image_size"] == 160 and st["config"]["head"] == "slda"
+    labels, images = held_out(photos)
+    answers = [r[0]["label"] for r in predict(server, images)["results"]]
+    right = sum(a == b for a, b in zip(answers, labels))
+    assert right >= len(labels) - 1, list(zip(labels, answers))
+
+
+def test_the_onnx_snapshot_is_the_whole_network_and_answers_as_predict(server, photos):
+    """uint8 pixels at 160 px in, logits out: the ONNX client, unchanged, reads the camera JPEGs by the
+    same input rule and answers as the service does."""
+    from clients.onnx_client import OnnxClassifier
+
+    st = wait_trained(server, status(server)["samples_received"], timeout=600)
+    r = httpx.post(f"{server.url}/snapshots", timeout=300)
+    assert r.status_code == 201, r.text
+    clf = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{r.json()['id']}").content)
+    assert clf.input_shape == (3, 160, 160) and clf.labels == st["classes"]
+    assert clf.metadata["backbone"] == "lite0" and clf.metadata["head"] == "slda"
+    _, images = held_out(photos)
+    ours = predict(server, images, k=3)
+    assert ours["model_version"] == clf.model_version
+    for theirs, mine in zip(clf.predict([io.BytesIO(i) for i in images], k=3), ours["results"]):
+        assert np.allclose([t["probability"] for t in theirs], [t["probability"] for t in mine], atol=1e-3)
+        # LDA's posteriors are sharp: below the top the order of probabilities ~0 is the rounding's
+        assert [t["label"] for t in theirs if t["probability"] > 1e-3] == \
+            [t["label"] for t in mine if t["probability"] > 1e-3] and theirs[0]["label"] == mine[0]["label"]
+
+
+def test_the_int8_variant_is_smaller_agrees_and_a_replica_serves_it(server, photos, tmp_path):
+    """ASER_SNAPSHOT_INT8: onnxruntime's static quantisation calibrated on recent images, its agreement
+    with the fp32 graph measured on others; a replica with ASER_REPLICA_INT8 serves it."""
+    from clients.onnx_client import OnnxClassifier
+
+    row = httpx.get(f"{server.url}/snapshots/latest").headers["x-snapshot-id"]
+    snap = next(s for s in httpx.get(f"{server.url}/snapshots").json()["snapshots"] if str(s["id"]) == row)
+    assert snap["int8"] is not None and 0.5 <= snap["int8"]["agreement"] <= 1
+    assert snap["int8"]["size_bytes"] < 0.4 * snap["size_bytes"]
+    int8 = httpx.get(f"{server.url}/snapshots/{row}", params={"variant": "int8"})
+    assert int8.status_code == 200 and len(int8.content) == snap["int8"]["size_bytes"]
+    clf = OnnxClassifier(int8.content)
+    assert clf.metadata["variant"] == "int8" and clf.labels == snap["classes"] and clf.input_shape == (3, 160, 160)
+    labels, images = held_out(photos)
+    served = [r[0]["label"] for r in predict(server, images)["results"]]
+    quantised = [r[0]["label"] for r in clf.predict([io.BytesIO(i) for i in images], k=1)]
+    assert sum(a == b for a, b in zip(served, quantised)) >= len(images) - 2
+
+    replica = Server(tmp_path / "replica", module="service.replica", ready_path="/healthz",
+                     replica_source=server.url, replica_poll_s=0.5, replica_int8=True).start()
+    try:
+        deadline = time.time() + 120
+        while (st := httpx.get(f"{replica.url}/status").json())["snapshot_id"] is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert st["variant"] == "int8" and str(st["snapshot_id"]) == row
+        answer = httpx.post(f"{replica.url}/predict", json={"images": [b64(i) for i in images], "k": 1}).json()
+        assert [r[0]["label"] for r in answer["results"]] == quantised
+    finally:
+        replica.stop()
+
+
+def test_the_memory_holds_latents_and_shows_a_picture_a_slot(server, photos):
+    wait_trained(server, status(server)["samples_received"], timeout=600)
+    memory = httpx.get(f"{server.url}/memory").json()
+    assert memory["size"] == 20 and set(memory["per_class"]) == set(photos)
+    r = httpx.get(f"{server.url}/memory/0")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    picture = np.asarray(Image.open(io.BytesIO(r.content)))
+    assert picture.shape == (32, 32, 3) and picture.std() > 10  # a photo, not an empty slot
+
+
+def test_forgetting_removes_a_class_latents_and_answers(server, photos):
+    r = httpx.delete(f"{server.url}/classes/rocket", timeout=120)
+    assert r.status_code == 200, r.text
+    memory = httpx.get(f"{server.url}/memory").json()
+    assert "rocket" not in memory["per_class"] and memory["size"] == 20 - r.json()["memory_removed"]
+    _, rocket_shots = photos["rocket"]
+    answers = predict(server, rocket_shots, k=4)["results"]
+    assert all(t["label"] != "rocket" for answer in answers for t in answer)
+
+
+def test_a_restart_goes_on_as_the_directory_was_trained_and_a_mixed_backbone_is_refused(server, photos):
+    _, images = held_out(photos)
+    before, answers = status(server), predict(server, images, k=2)
+    server.stop()  # SIGTERM: the worker checkpoints on the way out
+    mixed = {**server.env, "ASER_BACKBONE": "scratch", "ASER_PORT": "0"}
+    refused = subprocess.run([sys.executable, "-m", "service"], env=mixed, capture_output=True, text=True, timeout=180)
+    assert refused.returncode != 0 and "ASER_BACKBONE" in refused.stderr
+    del server.env["ASER_BACKBONE"]
+    server.start()  # ASER_BACKBONE unset: the data directory's lineage (lite0) goes on, the same model
+    after = status(server)
+    assert after["config"]["backbone"] == "lite0" and after["samples_trained"] == before["samples_trained"]
+    assert predict(server, images, k=2)["results"] == answers["results"]
