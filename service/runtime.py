@@ -36,9 +36,10 @@ class Runtime:
     @classmethod
     def open(cls, settings: Settings, metrics: Metrics) -> "Runtime":
         db = Database(settings.database_path)
-        lineage = lineage_of(settings, CheckpointStore(db, settings.data_dir / "checkpoints"))
+        checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        lineage = lineage_of(settings, checkpoints)  # read once: the restore reuses what it read
         store = IngestLog(db, (3, lineage.image_size, lineage.image_size))
-        worker = LearnerWorker(settings, db, store, metrics, lineage)
+        worker = LearnerWorker(settings, db, store, metrics, lineage, checkpoints)
         worker.start()
         batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
                                  settings.predict_max_batch, on_batch=metrics.predict_batch.observe)

@@ -58,16 +58,16 @@ def resolve_device(name: str) -> str:
 
 
 class LearnerWorker:
-    """`lineage`: the learner the data directory holds (`service.lineage`; resolved here from the
-    checkpoints when not given)."""
+    """`checkpoints` and `lineage`: the data directory's checkpoint store and the learner it holds
+    (`service.lineage`, resolved from them), made here when not given."""
 
     def __init__(self, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None,
-                 lineage: Lineage | None = None):
+                 lineage: Lineage | None = None, checkpoints: CheckpointStore | None = None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.store = store
         self.device = resolve_device(settings.device)
-        self.checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        self.checkpoints = checkpoints or CheckpointStore(db, settings.data_dir / "checkpoints")
         self.lineage = lineage or lineage_of(settings, self.checkpoints)
         self.checkpoints.identity = self.lineage.identity()
         self.image_shape = (3, self.lineage.image_size, self.lineage.image_size)
