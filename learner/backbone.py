@@ -52,6 +52,10 @@ class ScratchBackbone:
     def slot_bytes(self) -> int:
         return int(torch.tensor(self.stored_shape).prod())
 
+    @property
+    def input_size(self) -> int:
+        return self.image_shape[1]
+
     def make_model(self, num_classes: int, seed: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from .batching import PredictBatcher
 from .checkpoints import CheckpointStore
 from .db import Database
+from .lineage import lineage_of
 from .metrics import Metrics
 from .retention import Retention, RetentionPolicy
 from .settings import Settings
 from .store import IngestLog
-from .lineage import lineage_of
 from .worker import LearnerWorker
 
 

@@ -27,6 +27,7 @@ from learner.catch_up import MEMORY_SHARE
 
 POOLED_CUT = 17  # learner.pretrained.POOLED, written here: the replica reads these settings without torch
 
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ASER_", env_file=".env", extra="ignore")
 

@@ -62,7 +62,7 @@ class PixelsToLogits(nn.Module):
             layer.bias.copy_(bias[rows])
         net.head = nn.Identity()
         backbone = backbone or ScratchBackbone((3, net.input_size, net.input_size))
-        self.input_size = backbone.image_shape[1] if backbone.name == "scratch" else backbone.input_size
+        self.input_size = backbone.input_size
         self.features = backbone.pixel_module(None if frozen_features else net)
         self.head, self.normalize = layer, normalize
         self.eval()
@@ -152,8 +152,7 @@ def quantise_snapshot(fp32: Path, int8: Path, images: np.ndarray) -> float:
     answers = [OnnxSnapshot(path, threads=1).logits(held_out).argmax(1) for path in (fp32, tmp)]
     agreement = float((answers[0] == answers[1]).mean())
     source, model = onnx.load(str(fp32), load_external_data=False), onnx.load(str(tmp))
-    del model.metadata_props[:]  # the snapshot's own metadata (labels, input shape, ...), and the variant's
-    model.metadata_props.extend(source.metadata_props)
+    # the snapshot's own metadata (labels, input shape, ...) and the variant's, replacing the quantiser's
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in source.metadata_props}, "variant": "int8",
                                         "int8_agreement": json.dumps(agreement)})
     onnx.save(model, str(tmp))

@@ -38,14 +38,14 @@ from learner.catch_up import CHUNK, CatchUp
 from .checkpoints import CheckpointStore, VersionLease
 from .db import Database, is_disk_full
 from .errors import StorageFull
+from .forgetting import ForgetRequests
 from .lineage import Lineage, lineage_of, make_learner_of
 from .metrics import Metrics
 from .online import History, HistoryRecorder, OnlineAccuracy
-from .forgetting import ForgetRequests
 from .quarantine import PoisonGuard
 from .serving import MemoryView, Predictor, Published, Publisher
-from .snapshot_schedule import SnapshotSchedule
 from .settings import Settings
+from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
 from .store import Forgotten, IngestLog, LogEntry, images_from_blobs
 

@@ -126,7 +126,7 @@ def test_the_int8_variant_is_smaller_agrees_and_a_replica_serves_it(server, phot
     assert int8.status_code == 200 and len(int8.content) == snap["int8"]["size_bytes"]
     clf = OnnxClassifier(int8.content)
     assert clf.metadata["variant"] == "int8" and clf.labels == snap["classes"] and clf.input_shape == (3, 160, 160)
-    labels, images = held_out(photos)
+    _, images = held_out(photos)
     served = [r[0]["label"] for r in predict(server, images)["results"]]
     quantised = [r[0]["label"] for r in clf.predict([io.BytesIO(i) for i in images], k=1)]
     assert sum(a == b for a, b in zip(served, quantised)) >= len(images) - 2
