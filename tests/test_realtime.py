@@ -230,7 +230,8 @@ def test_behind_the_stream_asers_memory_steps_and_skips_as_er_does(tmp_path, cac
 def assert_the_table_reports(queue: dict, bounded: dict) -> None:
     """`table` shows a real-time run's shares of the stream and anytime accuracy, and `--compare`
     the anytime accuracy's paired difference."""
-    from clients.bench.results import comparisons, group, run_label, summary_table
+    from clients.bench.results import comparisons, group, run_label
+    from clients.bench.tables import summary_table
 
     groups = group([queue, bounded])
     lines = summary_table(groups).splitlines()

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from clients.bench.benchmark import main
-from clients.bench.results import comparison_table, comparisons, load_paper, paired_difference, summary_table
+from clients.bench.results import comparisons, paired_difference
 from clients.bench.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
+from clients.bench.tables import comparison_table, load_paper, summary_table
 
 from .conftest import CIFAR10_ZIP
 

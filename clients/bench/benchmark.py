@@ -21,32 +21,29 @@ from pathlib import Path
 import torch
 
 from learner import METHODS, make_learner
+from learner.augment import AUGMENTATIONS
+from learner.backbone import BACKBONES, make_backbone
+from learner.base import SERVING_BN
 from learner.catch_up import MEMORY_SHARE
 from learner.data import ImageDataset, load_dataset, task_batches, task_test_set
 from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 from learner.ncm import memory_ncm
-from learner.augment import AUGMENTATIONS
-from learner.base import SERVING_BN
-from learner.backbone import BACKBONES, make_backbone
 from learner.objective import LOSSES, STEPS
 from learner.pretrained import POOLED
 from learner.streaming import HEADS
 
 from .latents import encoded_dataset, frozen_forward_cpu_ms
 from .machine import machine_description, resolve_device
+from .plots import plot_accuracy, plot_seeds
 from .realtime import DEFAULT_COST_MODEL, Stream, cost_model, simulate
+from .results import comparisons, group, load_results, matrix_summary
 from .resume import CheckpointMismatch, load_run_state, run_identity, save_run_state
-from .results import (
+from .tables import (
     anytime_comparison_table,
     comparison_table,
     corrections_table,
-    comparisons,
-    group,
     load_paper,
-    load_results,
-    matrix_summary,
-    plot_accuracy,
-    plot_seeds,
+    seeds_table,
     summary_table,
 )
 
@@ -473,6 +470,7 @@ def cmd_table(args) -> int:
 
     if corrections := corrections_table(results):
         text += "\n" + corrections
+    text += "\n## A_T by seed\n\n" + seeds_table(groups)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
