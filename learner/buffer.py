@@ -17,6 +17,8 @@ same weights (the update after step n and the retrieval before step n+1 share we
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 PICTURE_SIZE = 32  # a latent memory's pictures, a side (what the memory browser shows of a slot)
@@ -157,3 +159,21 @@ class ReplayBuffer:
         if "features" in state and n:
             self.store_features(torch.arange(n, device=self.device), state["features"].to(self.device), -1)
             self.feature_version[:n] = state["feature_version"].to(self.device)
+
+
+@contextmanager
+def pictures_of_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: torch.Tensor):
+    """Around a step on a latent memory: a small picture of each sample the step admits
+    (`ReplayBuffer.pictures`: what a person browsing the memory sees); the step's stored latents tell
+    which sample a slot took."""
+    if buffer is None or pixels is stored or pixels.dtype != torch.uint8:  # images kept as they are
+        yield
+        return
+    offered = buffer.n_seen
+    yield
+    slots = torch.nonzero(buffer.entered[:buffer.size] >= offered).flatten().to(buffer.device)
+    if slots.numel():
+        kept = buffer.images[slots].flatten(1)
+        same = (kept[:, None, :] == stored.flatten(1).to(kept.device)[None]).all(2)  # [slots, batch]
+        found, sample = same.any(1), same.float().argmax(1)
+        buffer.keep_pictures(slots[found], pixels[sample[found]])

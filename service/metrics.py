@@ -90,6 +90,11 @@ class Metrics:
         self.samples_replayed.inc(stats.get("replayed", 0))
         self.replayed_incoming.inc(float(stats.get("replayed_incoming", 0)))
 
+    def observe_skip(self, samples: int, thinned: int) -> None:
+        """Samples skipped over the lag bound (`service.lag_bound`), of which `thinned` skipped the memory too."""
+        self.samples_skipped.inc(samples)
+        self.samples_thinned.inc(thinned)
+
     def observe_retention(self, run: dict) -> None:
         self.retention_pixels.inc(run["pixels_dropped"])
         self.retention_ids.inc(run["ids_dropped"])

@@ -62,6 +62,13 @@ class OnlineAccuracy:
             self.class_correct[label] = self.class_correct.get(label, 0) + hit
             self.class_scored[label] = self.class_scored.get(label, 0) + 1
 
+    def score_batch(self, predictor, images, labels: Sequence[int]) -> None:
+        """Test-then-train: `predictor` (a `service.serving.Predictor`, the model about to step) answers
+        the batch before it trains on it."""
+        known = len(predictor.classes)
+        predicted = predictor.probabilities(images).argmax(1).tolist() if known else [-1] * len(labels)
+        self.score(predicted, labels, known)
+
     @property
     def accuracy(self) -> float | None:
         return self.correct / self.scored if self.scored else None

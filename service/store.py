@@ -162,6 +162,11 @@ class IngestLog:
             return conn.execute("SELECT MIN(received) FROM samples WHERE seq > ? AND seq NOT IN "
                                 "(SELECT seq FROM quarantine)", (trained_upto,)).fetchone()[0]
 
+    def lag_seconds(self, trained_upto: int) -> float:
+        """The age of the oldest sample after `trained_upto` (0: nothing is waiting)."""
+        oldest = self.oldest_pending(trained_upto)
+        return 0.0 if oldest is None else max(0.0, time.time() - oldest)
+
     def quarantine(self, seq: int, error: str) -> None:
         """Set a sample aside for good: training on it fails every time."""
         with self.db.write() as conn:

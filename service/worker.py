@@ -19,8 +19,8 @@ snapshot that fails is logged and counted; training goes on.
 The concerns beside the loop have modules of their own: which learner the data directory holds
 (`service.lineage`), what readers see and its corrections (`service.serving`), when to export
 (`service.snapshot_schedule`), setting bad samples aside (`service.quarantine`), forgetting a class
-(`service.forgetting`), the history's points (`service.online.HistoryRecorder`) and the lag bound's
-arithmetic (`learner.catch_up`).
+(`service.forgetting`), the history's points (`service.online.HistoryRecorder`), when to checkpoint
+(`service.checkpointing`) and the lag bound (`service.lag_bound`, its arithmetic in `learner.catch_up`).
 """
 
 from __future__ import annotations
@@ -33,24 +33,23 @@ from concurrent.futures import Future
 import torch
 
 from learner.base import ContinualLearner
-from learner.catch_up import CHUNK, CatchUp
 
+from .checkpointing import Checkpointing
 from .checkpoints import CheckpointStore, VersionLease
-from .db import Database, is_disk_full
-from .errors import StorageFull
+from .db import Database
 from .forgetting import ForgetRequests
+from .lag_bound import LagBound
 from .lineage import Lineage, lineage_of, make_learner_of
 from .metrics import Metrics
 from .online import History, HistoryRecorder, OnlineAccuracy
-from .quarantine import PoisonGuard
+from .quarantine import PoisonGuard, fails_alone
 from .serving import MemoryView, Predictor, Published, Publisher
 from .settings import Settings
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
-from .store import Forgotten, IngestLog, LogEntry, images_from_blobs
+from .store import IngestLog, LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
-
 
 
 def resolve_device(name: str) -> str:
@@ -72,9 +71,9 @@ class LearnerWorker:
         self.checkpoints.identity = self.lineage.identity()
         self.image_shape = (3, self.lineage.image_size, self.lineage.image_size)
         self.versions = VersionLease(db)
-        self.catch_up = CatchUp(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size) if settings.max_lag_s else None
-        self.lean_when_behind = self.lineage.lean_when_behind  # of the method the lineage has
-        self._over_lag_bound = False  # in a lag-bound episode (logged once when it begins and when it ends)
+        self.lag = LagBound(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size,
+                            self.lineage.lean_when_behind)
+        self.checkpointing = Checkpointing(self.checkpoints, settings.checkpoint_every_steps, self.metrics)
         self.publisher = Publisher(self.versions, self.lineage.head == "ncm", settings.serving_refresh_steps,
                                    settings.ncm_refresh_steps)  # what readers see
         self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", self.lineage.method,
@@ -85,8 +84,8 @@ class LearnerWorker:
         self.forgetting = ForgetRequests(self)
         self.restarts = 0
         self.last_error: str | None = None
-        self.checkpoint_failures = 0
-        self.poison = PoisonGuard(store)  # a sample whose batch keeps failing is set aside
+        self.poison = PoisonGuard(store, lambda entry: fails_alone(self._build_learner(), self.learner, entry,
+                                                                   self.image_shape))  # a sample that keeps failing
         self._in_step: list[int] = []
         self.last_step_seconds = 0.0
         self.recorder = HistoryRecorder(self.history, settings.history_every_steps)
@@ -106,7 +105,7 @@ class LearnerWorker:
         self._stop.set()
         self.wakeup.set()
         self._thread.join(timeout)
-        if not self._thread.is_alive() and self.consistent and self.progress() != self.checkpointed:
+        if not self._thread.is_alive() and self.consistent and self.progress() != self.checkpointing.saved_at:
             self.checkpoint()
         self.snapshots.close()
 
@@ -132,7 +131,7 @@ class LearnerWorker:
             learner.rename_weights(above=reserved)
         self.learner = learner
         self.schedule.last_at = learner.steps
-        self.checkpointed = self._last_checkpoint_try = self.progress()
+        self.checkpointing.restarted(self.progress())
         self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
         self.publisher.restart()
         self.consistent = True
@@ -188,21 +187,13 @@ class LearnerWorker:
         entries = self.store.after(self.trained_upto, b)
         if not entries:
             return False
-        if self.catch_up and self.catch_up.due(time.time(), entries[0].received):
-            if not self._over_lag_bound:
-                self._over_lag_bound = True
-                log.warning("lag: the oldest waiting sample is over ASER_MAX_LAG_S (%g s); samples older than half of "
-                            "it are skipped until the learner has caught up", self.settings.max_lag_s)
+        if self.lag.over(entries[0].received, self.learner.samples_skipped):
             self._skip_behind()
             return True
-        if self._over_lag_bound:
-            self._over_lag_bound = False
-            log.info("lag: back within ASER_MAX_LAG_S; %d samples skipped so far", self.learner.samples_skipped)
         if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
             return False  # wait for a full batch a little longer
-        lean = bool(self.lean_when_behind and self.catch_up
-                    and self.catch_up.behind(time.time(), entries[0].received))
-        entries = self.poison.set_aside(entries, self._fails_alone)
+        lean = self.lag.lean(entries[0].received)
+        entries = self.poison.set_aside(entries)
         if entries:
             self._step(entries, lean)
         return True
@@ -213,7 +204,7 @@ class LearnerWorker:
         t0 = time.perf_counter()
         images = images_from_blobs([e.image for e in entries], self.image_shape)
         labels = [e.class_id for e in entries]
-        self._score_before_training(images, labels)
+        self.online.score_batch(self.predictor, images, labels)  # test-then-train: the model about to step
         stats = self.learner.observe(images, torch.tensor(labels), lean=lean)
         self.last_step_seconds = time.perf_counter() - t0
         self.trained_upto = entries[-1].seq
@@ -227,25 +218,18 @@ class LearnerWorker:
         self.schedule.export_if_due(self.learner, self.predictor)
 
     def _skip_behind(self) -> None:
-        """Over the lag bound: the samples older than half of it are skipped, a chunk at a time,
-        each sample once; they reach the memory update while its share of time allows
-        (`learner.catch_up`), so the memory keeps sampling the whole stream."""
-        cutoff = self.catch_up.cutoff(time.time())
-        entries = [e for e in self.store.after(self.trained_upto, CHUNK) if e.received < cutoff]
-        entries = self.poison.set_aside(entries, self._fails_alone)
+        """Over the lag bound: the next chunk of samples behind it skips the step (`service.lag_bound`)."""
+        entries = self.lag.behind(self.store.after(self.trained_upto, self.lag.chunk))
+        entries = self.poison.set_aside(entries)
         if not entries:
             return
         self._in_step = [e.seq for e in entries]
         self.consistent = False
-        done = self.catch_up.skip(self.learner, time.monotonic(), torch.tensor([e.class_id for e in entries]),
-                                  lambda idx: images_from_blobs([entries[i].image for i in idx.tolist()],
-                                                                self.image_shape),
-                                  lean=self.lean_when_behind)  # over the bound is behind: lean
+        done = self.lag.skip(self.learner, entries, self.image_shape)
         self.trained_upto = entries[-1].seq
         self.consistent = True
         self._in_step = []
-        self.metrics.samples_skipped.inc(len(entries))
-        self.metrics.samples_thinned.inc(done.thinned)
+        self.metrics.observe_skip(len(entries), done.thinned)
         self.publish()
         self._checkpoint_if_due()
 
@@ -279,29 +263,12 @@ class LearnerWorker:
         return lr.steps + lr.rehearsal_steps + lr.samples_skipped // self.settings.batch_size
 
     def _checkpoint_if_due(self) -> None:
-        if self.progress() - self._last_checkpoint_try >= self.settings.checkpoint_every_steps:
+        if self.checkpointing.due(self.progress()):
             self.checkpoint()
 
     def lag_seconds(self) -> float:
         """The age of the oldest acknowledged sample the published model has not learned (0: none)."""
-        oldest = self.store.oldest_pending(self.trained_upto)
-        return 0.0 if oldest is None else max(0.0, time.time() - oldest)
-
-    def _score_before_training(self, images: torch.Tensor, labels: list[int]) -> None:
-        """Test-then-train: the published model (the one about to step) predicts the batch."""
-        known = len(self.predictor.classes)
-        predicted = self.predictor.probabilities(images).argmax(1).tolist() if known else [-1] * len(labels)
-        self.online.score(predicted, labels, known)
-
-    def _fails_alone(self, entry: LogEntry) -> str | None:
-        """Train a scratch copy of the learner on this one sample; the error, if it fails."""
-        scratch = self._build_learner()
-        scratch.load_state_dict(self.learner.state_dict())
-        try:
-            scratch.observe(images_from_blobs([entry.image], self.image_shape), torch.tensor([entry.class_id]))
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
+        return self.store.lag_seconds(self.trained_upto)
 
     def publish(self, refresh_head: bool = False) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
@@ -329,27 +296,9 @@ class LearnerWorker:
         return True
 
     def checkpoint(self) -> bool:
-        """Persist the lineage; a failure (disk full, say) is logged and retried later."""
-        try:
-            self.checkpoints.save(self.learner, self.trained_upto, extra={"online": self.online.state_dict()})
-        except Exception as exc:
-            if isinstance(exc, StorageFull) or is_disk_full(exc):  # expected on a full disk: one line, no trace
-                log.warning("checkpoint failed: the disk is full; training goes on, the previous checkpoint stays "
-                            "in force")
-            else:
-                log.exception("checkpoint failed; training goes on, the previous checkpoint stays in force")
-            self.checkpoint_failures += 1
-            self.metrics.checkpoint_failures.inc()
-            self._last_checkpoint_try = self.progress()
-            return False
-        self.checkpointed = self._last_checkpoint_try = self.progress()
-        return True
-
-    # --- forgetting a class (service.forgetting) -----------------------------------------
-    def forget(self, label: str) -> tuple[Forgotten, Future]:
-        """Forget a class: durably first, then in the learner between two steps; the future is done
-        when the live model has forgotten it."""
-        return self.forgetting.submit(label)
+        """Persist the lineage; a failure (disk full, say) is logged and retried later (`service.checkpointing`)."""
+        return self.checkpointing.save(self.learner, self.trained_upto, {"online": self.online.state_dict()},
+                                       self.progress())
 
     # --- snapshots (service.snapshot_schedule) -------------------------------------------
     def request_snapshot(self) -> Future:

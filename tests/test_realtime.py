@@ -143,7 +143,8 @@ def realtime_run(tmp_path, cache_dir, *extra, seed=0, costs=None, method="er"):
     images), with a fixed cost model: a stream step 0.1 s (ER's throughput 100 samples/s), a skip
     1 ms a sample; `costs` replace the run's configuration's (plain ER's and ER-ACE's, the lean
     form, stay)."""
-    from clients.bench.benchmark import build_parser, run_once
+    from clients.bench.benchmark import build_parser
+    from clients.bench.protocol import run_once
     from clients.bench.realtime import configuration_key
     from learner.data import load_dataset
 

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from clients.bench.benchmark import build_parser, main, run_once
+from clients.bench.benchmark import build_parser, main
+from clients.bench.protocol import run_once
 from clients.bench.resume import load_run_state, run_identity
 from learner.data import load_dataset
 

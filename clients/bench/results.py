@@ -161,7 +161,7 @@ def cpu_seconds(result: dict) -> float | None:
 
 def anytime_at(point: str):
     """A run's accuracy on the classes seen so far once each new class has sent `point` images,
-    averaged over the tasks (`clients.bench.benchmark.AnytimeProbe`)."""
+    averaged over the tasks (`clients.bench.protocol.AnytimeProbe`)."""
     return lambda r: r.get("anytime", {}).get(point)
 
 

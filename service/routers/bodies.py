@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from ..inputs import InputError, decode_base64
 from ..settings import Settings
 
+
 def category_ranges(category: str) -> str:
     """The code points of a Unicode category as the body of a regex class (\\U escapes).
 

@@ -12,9 +12,9 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import NotFound
+from ..serving import MemoryView
 from ..settings import Settings
 from ..store import by_label, label_of
-from ..serving import MemoryView
 from .auth import require
 from .errors import error_responses
 
@@ -81,7 +81,7 @@ def router(settings: Settings) -> APIRouter:
         """Forget a class for good: every sample of it leaves the ingest log (trained or not) and
         the replay memory, the model stops predicting it, snapshots holding it are deleted, and
         a restart never brings it back. The label sent again later starts a new class."""
-        forgotten, applied = await run_in_threadpool(request.app.state.runtime.worker.forget, label)
+        forgotten, applied = await run_in_threadpool(request.app.state.runtime.worker.forgetting.submit, label)
         try:
             removed = await asyncio.wait_for(asyncio.wrap_future(applied), timeout=settings.snapshot_timeout_s)
         except Exception:  # durable already; the worker applies it after its restart or in a moment

@@ -138,7 +138,7 @@ def status(rt: Runtime) -> dict:
                    **lineage.replay_objective(), **lineage.stronger_learner(), "head": lineage.head,
                    "serving_bn": rt.settings.serving_bn, "serving_bias": lineage.serving_bias},
         "worker": {"alive": worker.alive, "restarts": worker.restarts, "last_error": worker.last_error,
-                   "checkpoint_failures": worker.checkpoint_failures,
+                   "checkpoint_failures": worker.checkpointing.failures,
                    "snapshot_failures": worker.snapshots.failures, "quarantined": n_quarantined,
                    "recent_quarantine": recent},
         "error": None if worker.error is None else repr(worker.error),
@@ -146,7 +146,7 @@ def status(rt: Runtime) -> dict:
         "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": backlog,
                 "max_lag_s": rt.settings.max_lag_s, "samples_skipped": p.samples_skipped,
                 "samples_thinned": p.samples_thinned, "rehearsal_steps": p.rehearsal_steps,
-                "lean_when_behind": worker.lean_when_behind, "lean_steps": p.lean_steps},
+                "lean_when_behind": worker.lag.lean_when_behind, "lean_steps": p.lean_steps},
         "storage": storage(rt),
         "uptime_s": round(time.time() - rt.started, 1),
     }

@@ -1,0 +1,156 @@
+"""What a learner serves, apart from how it trains: the served weights (the moving average, or its
+copy corrected on the replay memory), their eval-mode features with BatchNorm folded in, the served
+head (the trained one, or a streaming head solved on the frozen features), and predictions.
+`ContinualLearner` inherits it; every name here reads the learner's own state."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from copy import deepcopy
+
+import torch
+
+from .bias_correction import fit_logit_bias
+from .model import ReducedResNet18, recompute_bn
+
+# a streaming head's logits may lie far below zero (LDA's): a class it has not seen sits further still
+UNSEEN_LOGIT = -1e30
+
+
+class Serving:
+    def serving_features(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """f_ext of the serving weights (the EMA, if on): what predictions and NCM use; under a
+        streaming serving head, the frozen features it reads."""
+        if self.stream_head is not None:
+            return self._eval_map(lambda x: x, images, batch_size, self.frozen_features)
+        return self._eval_map(self.inference_features(self.autocast_dtype), images, batch_size)
+
+    def frozen_features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.backbone.frozen_features(self.encode(images))
+
+    def pixel_features(self):
+        """uint8 pixels [n, 3, H, W] -> the features the served head reads, as a function that later
+        steps do not change (what a service's predictions run between steps); `served_head` goes with it."""
+        if self.stream_head is not None:
+            return self.frozen_features  # no trained weights on this path
+        features = self.inference_features(self.autocast_dtype)
+        return lambda images: features(self.to_input(self.encode(images)))
+
+    def served_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The served linear head over class ids 0..num_classes-1 (weight, bias): the serving weights'
+        head, or the streaming head as solved now, where a class it has not seen (or forgot) gets a
+        zero row and a bias no logit reaches."""
+        if self.stream_head is None:
+            head = self.serving_model.head
+            return head.weight.detach(), head.bias.detach()
+        solved = self.solved_head()
+        weight = torch.zeros(self.num_classes, solved.weight.shape[1], device=self.device)
+        bias = torch.full((self.num_classes,), UNSEEN_LOGIT, device=self.device)
+        weight[solved.class_ids] = solved.weight.to(self.device)
+        bias[solved.class_ids] = solved.bias.to(self.device)
+        return weight, bias
+
+    def solved_head(self):
+        """The streaming head solved on what it has seen so far (once per new sample count)."""
+        if self._solved is None or self._solved[0] != (self.samples_seen, self.samples_skipped):
+            self._solved = ((self.samples_seen, self.samples_skipped), self.stream_head.head())
+        return self._solved[1]
+
+    def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
+        """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones)."""
+        if serving and self.stream_head is not None:
+            head, n = self.solved_head(), self.num_classes
+            return self._eval_map(lambda f: head.full_logits(f, n).to(f.device), images, batch_size,
+                                  self.frozen_features)
+        features = self.inference_features(self.autocast_dtype, serving)
+        head = (self.serving_model if serving else self.model).head
+        return self._eval_map(lambda x: head(features(x)), images, batch_size)
+
+    @property
+    def averaged_model(self) -> ReducedResNet18:
+        """The moving average with `ema_decay`, else the trained weights."""
+        return self.ema.model if self.ema is not None else self.model
+
+    @property
+    def serving_model(self) -> ReducedResNet18:
+        """The weights predictions come from: `averaged_model`, or with serving_bn="memory" or
+        serving_bias its copy corrected on the memory at the last `refresh_serving`."""
+        return self._served_copy if self._served_copy is not None else self.averaged_model
+
+    def refresh_serving(self) -> None:
+        """Correct a copy of the averaged weights on the replay memory as it is now, for serving:
+        with serving_bn="memory" its BatchNorm statistics are recomputed (SWA's `update_bn`,
+        `learner.model.recompute_bn`: one train-mode pass over the memory, no gradients); with
+        serving_bias its head's bias takes the offsets fitted on the memory's logits
+        (`learner.bias_correction`: one eval pass). Run it where predictions are taken (an
+        evaluation, a publication), not every step. Without either, or without a memory to
+        correct on, `averaged_model` serves."""
+        buffer = getattr(self, "buffer", None)
+        self._folded = None  # the served weights change
+        if (self.serving_bn != "memory" and not self.serving_bias) or buffer is None or len(buffer) == 0:
+            self._served_copy = None
+            return
+        images, labels = buffer.images[:len(buffer)], buffer.labels[:len(buffer)]
+        if self.serving_bn == "memory":
+            copy = recompute_bn(self.averaged_model, images, self.to_input)
+        else:
+            copy = deepcopy(self.averaged_model).eval().requires_grad_(False)
+        if self.serving_bias:
+            features = self.backbone.features(copy)  # the inference path: no normalisation passes
+            logits = self._eval_map(lambda x: copy.head(features(x)), images, 512)
+            with torch.no_grad():
+                copy.head.bias += fit_logit_bias(logits, labels, copy.num_classes).to(copy.head.bias.device)
+        self._served_copy = copy
+        if self.forgotten:
+            self._silence_forgotten()
+
+    @contextmanager
+    def serving_from(self, bn: str | None = None, bias: bool | None = None):
+        """Serve with other corrections (`bn`: "average" or "memory"; `bias`), refreshed now,
+        inside the block, then as before: the benchmark evaluates them on the same run."""
+        before = self.serving_bn, self.serving_bias, self._served_copy
+        self.serving_bn = before[0] if bn is None else bn
+        self.serving_bias = before[1] if bias is None else bias
+        self.refresh_serving()
+        try:
+            yield self
+        finally:
+            self.serving_bn, self.serving_bias, self._served_copy = before
+            self._folded = None
+
+    def inference_features(self, dtype: torch.dtype | None = None, serving: bool = True):
+        """Eval-mode f_ext with BatchNorm folded into the convolutions (in `dtype`, fp32 by
+        default), of the serving weights (or the trained ones), built once per weights. The folded
+        tensors are new storage: later training steps do not change them."""
+        if self._folded is None or self._folded[0] != self.version:
+            self._folded = (self.version, {})
+        cache, net = self._folded[1], self.serving_model if serving else self.model
+        if (id(net), dtype) not in cache:
+            cache[(id(net), dtype)] = self.backbone.features(net, dtype)
+        return cache[(id(net), dtype)]
+
+    def predict(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
+        return self.logits(images, batch_size, serving).argmax(1)
+
+    def predict_features(self, features: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """The serving head's answers on `serving_features` of some images: what `predict` answers
+        on those images, without a second pass through the network (the head runs on the same
+        chunks), so one feature pass serves several heads (an evaluation's corrections)."""
+        if self.stream_head is not None:
+            return self.solved_head().predict(features.cpu()).to(self.device)
+        head = self.serving_model.head
+        with torch.inference_mode():
+            answers = [head(chunk.to(self.device)).argmax(1) for chunk in features.split(batch_size)]
+        return torch.cat(answers) if answers else torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def _eval_map(self, fn, images: torch.Tensor, batch_size: int, to_input=None) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        to_input = to_input or self.to_input
+        try:
+            with torch.inference_mode():
+                outs = [fn(to_input(images[i:i + batch_size].to(self.device)))
+                        for i in range(0, images.shape[0], batch_size)]
+            return torch.cat(outs).float().clone() if outs else torch.zeros(0)
+        finally:
+            self.model.train(was_training)
