@@ -133,16 +133,16 @@ base_started=$(date +%s)
 ensure_base_image
 base_image_seconds=$(($(date +%s) - base_started))  # 0 when the image was there already
 torch_index=$(serve_torch_index)
-build() {  # target tag
-  DOCKER_BUILDKIT=0 docker build --network host -f deploy/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
-    --build-arg TORCH_INDEX="$torch_index" --build-arg APT_OPTIONS="-o Acquire::Check-Valid-Until=false" \
-    --target "$1" -t "$2" . >"$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log"; exit 1; }
-}
-say "building aser-service:latest and aser-replica:latest on $BASE_IMAGE (torch from $torch_index)"
+version=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' service/__init__.py)  # the one place
+say "building aser-service and aser-replica $version on $BASE_IMAGE (torch from $torch_index)"
 build_started=$(date +%s)
-build learner aser-service:latest
-build replica aser-replica:latest
+DOCKER_BUILDKIT=0 bash deploy/build.sh --network host --build-arg BASE_IMAGE="$BASE_IMAGE" \
+  --build-arg TORCH_INDEX="$torch_index" --build-arg APT_OPTIONS="-o Acquire::Check-Valid-Until=false" \
+  >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+for image in aser-service aser-replica; do  # labelled with the package's version, and tagged with it
+  label=$(docker image inspect -f '{{index .Config.Labels "org.opencontainers.image.version"}}' "$image:$version")
+  [ "$label" = "$version" ] || { echo "$image:$version is labelled '$label', the package is $version" >&2; exit 1; }
+done
 build_seconds=$(($(date +%s) - build_started))
 image_bytes=$(docker image inspect -f '{{.Size}}' aser-service:latest)
 replica_image_bytes=$(docker image inspect -f '{{.Size}}' aser-replica:latest)
@@ -170,6 +170,10 @@ for cid in $(compose ps -q); do  # "8000/tcp -> 127.0.0.1:PORT", nothing on othe
   if docker port "$cid" | grep -v -- '-> 127\.0\.0\.1:'; then echo "published beyond loopback" >&2; exit 1; fi
 done
 
+api_version=$("$PYTHON" -c "import json, urllib.request as u; print(json.load(u.urlopen('http://127.0.0.1:$learner_port/openapi.json', timeout=10))['info']['version'])")
+[ "$api_version" = "$version" ] || { echo "the learner's /openapi.json says $api_version, the image $version" >&2; exit 1; }
+say "version $version: the images' label, their tags and the learner's /openapi.json"
+
 smoke=("$PYTHON" -m clients.bench.smoke --learner "http://127.0.0.1:$learner_port" "${replicas[@]}"
        --data "$DATA" --ledger "$WORK/ledger.json")
 "${smoke[@]}" stream
@@ -191,7 +195,7 @@ restart_seconds=$(($(date +%s) - restart_started))
 "${smoke[@]}" verify ${OUT:+--out "$OUT"} --note "command=bash scripts/test-deploy.sh${OUT:+ --out $OUT}" \
   --note "machine=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores" \
   --note "docker=$(docker version -f '{{.Server.Version}}')" --note "base_image=$BASE_IMAGE" --note "base_image_seconds=$base_image_seconds" \
-  --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" \
+  --note "version=$version" --note "image_bytes=$image_bytes" --note "replica_image_bytes=$replica_image_bytes" \
   --note "build_seconds=$build_seconds" --note "allocator=$allocator" --note "memory_learner=$memory_learner" \
   --note "memory_replica=$memory_replica" --note "restart_to_healthy_seconds=$restart_seconds" \
   --note "total_seconds=$(($(date +%s) - started))"
