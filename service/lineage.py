@@ -7,21 +7,21 @@ chosen (TUNED_DEFAULTS, PRETRAINED_DEFAULTS). `Runtime.open` asks this once, bes
 checkpoints, and passes the answer down: the settings stay plain data.
 
 >>> from service.settings import Settings
->>> lineage = Lineage.resolve(Settings(), None)
->>> lineage.backbone, lineage.image_size, lineage.iterations, lineage.augment, lineage.head
-('scratch', 32, 2, True, 'softmax')
->>> lineage.identity()
-{'ASER_METHOD': 'cb-sv-duel', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace', 'ASER_AUGMENT': 'True', 'ASER_ITERATIONS': '2'}
->>> pretrained = Lineage.resolve(Settings(backbone="lite0"), None)
+>>> pretrained = Lineage.resolve(Settings(backbone="lite0"), None)  # the default backbone
 >>> pretrained.image_size, pretrained.cut, pretrained.head, pretrained.lr, pretrained.augment
 (160, 17, 'slda', 0.01, False)
+>>> scratch = Lineage.resolve(Settings(backbone="scratch"), None)
+>>> scratch.backbone, scratch.image_size, scratch.iterations, scratch.augment, scratch.head
+('scratch', 32, 2, True, 'softmax')
+>>> scratch.identity()
+{'ASER_METHOD': 'cb-sv-duel', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace', 'ASER_AUGMENT': 'True', 'ASER_ITERATIONS': '2'}
 >>> Settings().cut == POOLED  # the settings name the pooled cut without importing torch
 True
->>> Lineage.resolve(Settings(), pretrained.identity()).backbone  # the directory's lineage goes on
-'lite0'
+>>> Lineage.resolve(Settings(), scratch.identity()).backbone  # a directory made from scratch goes on from scratch
+'scratch'
 >>> old = Lineage.resolve(Settings(loss="ace"), {"ASER_METHOD": "er", "ASER_STEP": "joint", "ASER_LOSS": "ce"})
 >>> old.method, old.loss, old.augment, old.iterations, old.taken  # set ones stay; a restore is then refused
-('er', 'ace', False, 1, ('method', 'augment', 'iterations'))
+('er', 'ace', False, 1, ('method', 'backbone', 'augment', 'iterations'))
 >>> Lineage.resolve(Settings(method="ewc", ema=0.99), None).stronger_learner()
 {'ema_decay': 0.99}
 """

@@ -169,8 +169,8 @@ def test_snapshots_export_in_another_process_while_training_goes_on(tmp_path, ci
 
 # --- 3. supervision: a failed step persists nothing, and training restarts from the checkpoint ----
 def worker_for(tmp_path, data, n: int, **overrides) -> LearnerWorker:
-    settings = Settings(**{"data_dir": tmp_path, "method": "er", "mem_size": 30, "batch_size": 5, "max_batch_wait_s": 0,
-                           "snapshot_every_steps": 0, **overrides})
+    settings = Settings(**{"data_dir": tmp_path, "backbone": "scratch", "method": "er", "mem_size": 30, "batch_size": 5,
+                           "max_batch_wait_s": 0, "snapshot_every_steps": 0, **overrides})
     db = Database(settings.database_path)
     store = IngestLog(db, (3, 32, 32))
     names = data.class_names
@@ -425,7 +425,8 @@ def test_torture_concurrent_use_and_kills_lose_nothing(tmp_path):
     run is `python -m clients.bench.torture`, results/reliability/torture-cpu.json)."""
     from clients.bench.torture import run
 
-    result = run(CIFAR10_ZIP, seconds=30, kill_every=7, rate=30, data_dir=tmp_path / "svc")
+    result = run(CIFAR10_ZIP, seconds=30, kill_every=7, rate=30, data_dir=tmp_path / "svc",
+                 env={"ASER_BACKBONE": "scratch"})  # as the committed run: a kill's cost is not the backbone's
     assert result["problems"] == [] and result["passed"]
     # kills start once the first snapshot is out and each restart takes what the machine gives it: on a
     # loaded 2-core machine 30 s hold one or two (a wall-clock count, so the test asks for one)

@@ -22,11 +22,14 @@ from .conftest import CIFAR10_ZIP, ROOT
 
 
 class Server(LocalService):
-    """The service (or the replica) on a free loopback port, with small test defaults."""
+    """The service (or the replica) on a free loopback port, with small test defaults: the from-scratch
+    backbone on 32x32 pixels, whose steps cost a CI machine least (the service's behaviour does not depend
+    on the backbone; tests/test_service_pretrained.py and scripts/test-deploy.sh run the default one)."""
 
     def __init__(self, data_dir, module="service", ready_path="/readyz", **env):
         python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is there
         super().__init__(data_dir, {"ASER_MAX_BATCH_WAIT_S": "0.3", "ASER_MEM_SIZE": "50", "PYTHONPATH": python_path,
+                                    "ASER_BACKBONE": "scratch",
                                     **{f"ASER_{k.upper()}": str(v) for k, v in env.items()}},
                          module=module, ready_path=ready_path)
 

@@ -172,7 +172,7 @@ def test_a_restart_goes_on_as_the_directory_was_trained_and_a_mixed_backbone_is_
     refused = subprocess.run([sys.executable, "-m", "service"], env=mixed, capture_output=True, text=True, timeout=180)
     assert refused.returncode != 0 and "ASER_BACKBONE" in refused.stderr
     del server.env["ASER_BACKBONE"]
-    server.start()  # ASER_BACKBONE unset: the data directory's lineage (lite0) goes on, the same model
+    server.start()  # ASER_BACKBONE unset: the default and the data directory's lineage (lite0), the same model
     after = status(server)
     assert after["config"]["backbone"] == "lite0" and after["samples_trained"] == before["samples_trained"]
     assert predict(server, images, k=2)["results"] == answers["results"]
