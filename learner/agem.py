@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .buffer import ReplayBuffer
 from .base import ContinualLearner
+from .buffer import ReplayBuffer
 from .retrieval import RandomRetrieval
 from .update import ReservoirUpdate
 

@@ -28,7 +28,6 @@ import copy
 import torch
 from torch import nn
 
-
 WARMED_UP = 2**31  # updates enough for any decay to be past its warm-up
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .agem import AGEM
 from .augment import make_augment
-from .balanced import VICTIM_RULES, ClassBalancedUpdate, update_name as balanced_name
+from .balanced import VICTIM_RULES, ClassBalancedUpdate
+from .balanced import update_name as balanced_name
 from .base import ContinualLearner
 from .ewc import EWCpp
 from .finetune import FineTune

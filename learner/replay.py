@@ -29,8 +29,8 @@ from dataclasses import replace
 import torch
 from torch.nn import functional as F
 
-from .base import ContinualLearner
 from .augment import Augment
+from .base import ContinualLearner
 from .buffer import ReplayBuffer
 from .latent import Latent
 from .objective import ReplayObjective

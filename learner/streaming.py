@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class LinearHead:
     """A solved head: logits = x W^T + b over its `class_ids`; unseen classes get no row."""
