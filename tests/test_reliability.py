@@ -316,7 +316,7 @@ def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp
 
 
 def test_a_data_directory_goes_on_as_its_lineage_was_trained_where_the_settings_leave_it_open(tmp_path, cifar10_slice):
-    """An upgrade whose defaults train otherwise (a method, a loss, the stronger learner's options)
+    """An upgrade whose defaults train otherwise (a method, a backbone, a loss, the stronger learner's options)
     does not stop a data directory made under the old ones: the worker, and the real service, take
     the lineage's training settings where none are set, say so, and keep learning on it."""
     old = {"method": "er", "loss": "ce", "augment": False, "iterations": 1}  # explicit: as an old release made it
@@ -327,7 +327,7 @@ def test_a_data_directory_goes_on_as_its_lineage_was_trained_where_the_settings_
     left_open = Settings(data_dir=tmp_path, mem_size=30, batch_size=5, max_batch_wait_s=0, snapshot_every_steps=0)
     again = LearnerWorker(left_open, worker.checkpoints.db, worker.store)
     assert {k: getattr(again.lineage, k) for k in old} == old and again.trained_upto == 10
-    assert again.lineage.taken == ("method", "loss", "augment", "iterations")
+    assert again.lineage.taken == ("method", "backbone", "loss", "augment", "iterations")  # lite0 is the default now
     assert again.learner.objective.loss == "ce" and again.learner.augment is None and again.learner.iterations == 1
     store = again.store
     names = cifar10_slice.class_names
