@@ -40,13 +40,12 @@ class Settings(BaseSettings):
                                             "(a web page that rebinds its name to this service gets 400 invalid_host)")
 
     # the learner: ASER's KNN-SV values choosing within a class-balanced memory (cb-sv-duel: CBRS's admission,
-    # the lower-valued of two random members of the class leaves), random retrieval, the ACE loss, augmentation,
-    # 2 iterations and a moving-average serving head (service.lineage.TUNED_DEFAULTS), the paper's CIFAR-10
-    # settings. What a data directory's lineage was trained with goes on where these leave it unset
-    # (`service.lineage`): a directory made under the previous default (sv-upd) goes on as sv-upd.
-    # The backbone: EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results.md's rule 4: +17.7 A_T and
-    # +26.9 at ten images a new class over the from-scratch default, at its CPU cost); a directory made from scratch
-    # goes on from scratch.
+    # the lower-valued of two random members of the class leaves), random retrieval, the ACE loss and a moving
+    # average, the paper's CIFAR-10 settings; from scratch also augmentation and 2 iterations (TUNED_DEFAULTS), on
+    # the pretrained backbone streaming LDA serving (PRETRAINED_DEFAULTS, `service.lineage`). The backbone is
+    # EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results.md's rule 4: +17.7 A_T and +26.9 at ten
+    # images of a new class over the from-scratch default, at its CPU cost). What a data directory's lineage was
+    # trained with goes on where these leave it unset: a directory made from scratch goes on from scratch.
     method: str = "cb-sv-duel"
     backbone: Literal["scratch", "lite0"] = Field("lite0", description="lite0: EfficientNet-Lite0's ImageNet "
                                                   "weights frozen below ASER_CUT, the memory holding its latents "
