@@ -46,7 +46,8 @@ class ContinualLearner(Serving, HeadClasses):
                  device: str | torch.device = "cpu", seed: int = 0, channels_last: bool | None = None,
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
-                 serving_bias: bool = False, backbone=None, serving_head: str | None = None):
+                 serving_bias: bool = False, backbone=None, serving_head: str | None = None,
+                 trained_head_from: int | None = None):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -82,6 +83,11 @@ class ContinualLearner(Serving, HeadClasses):
         if serving_head and not hasattr(self.backbone, "frozen_features"):
             raise ValueError("a streaming serving head needs frozen features: the pretrained backbone")
         self.stream_head = make_head(serving_head, self.model.feature_dim) if serving_head else None
+        # the streaming head serves while a class is young, the trained one once every class has this many
+        if trained_head_from is not None and (self.stream_head is None or trained_head_from < 1):
+            raise ValueError("trained_head_from hands serving from a streaming head to the trained one: it needs "
+                             "serving_head and a count of at least 1")
+        self.trained_head_from = trained_head_from
         self._solved = None  # (samples_seen, the solved streaming head)
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)

@@ -1,6 +1,7 @@
 """What a learner serves, apart from how it trains: the served weights (the moving average, or its
 copy corrected on the replay memory), their eval-mode features with BatchNorm folded in, the served
-head (the trained one, or a streaming head solved on the frozen features), and predictions.
+head (the trained one, or a streaming head solved on the frozen features, or the streaming head
+while a class is young and the trained one after: `streams`), and predictions.
 `ContinualLearner` inherits it; every name here reads the learner's own state."""
 
 from __future__ import annotations
@@ -18,10 +19,20 @@ UNSEEN_LOGIT = -1e30
 
 
 class Serving:
+    @property
+    def streams(self) -> bool:
+        """Whether the streaming head serves now: always, or with `trained_head_from` while some class
+        seen (and not forgotten) has fewer samples than that; the trained head answers otherwise."""
+        if self.stream_head is None:
+            return False
+        if self.trained_head_from is None:
+            return True
+        return self.stream_head.youngest() < self.trained_head_from
+
     def serving_features(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """f_ext of the serving weights (the EMA, if on): what predictions and NCM use; under a
         streaming serving head, the frozen features it reads."""
-        if self.stream_head is not None:
+        if self.streams:
             return self._eval_map(lambda x: x, images, batch_size, self.frozen_features)
         return self._eval_map(self.inference_features(self.autocast_dtype), images, batch_size)
 
@@ -31,7 +42,7 @@ class Serving:
     def pixel_features(self):
         """uint8 pixels [n, 3, H, W] -> the features the served head reads, as a function that later
         steps do not change (what a service's predictions run between steps); `served_head` goes with it."""
-        if self.stream_head is not None:
+        if self.streams:
             return self.frozen_features  # no trained weights on this path
         features = self.inference_features(self.autocast_dtype)
         return lambda images: features(self.to_input(self.encode(images)))
@@ -40,7 +51,7 @@ class Serving:
         """The served linear head over class ids 0..num_classes-1 (weight, bias): the serving weights'
         head, or the streaming head as solved now, where a class it has not seen (or forgot) gets a
         zero row and a bias no logit reaches."""
-        if self.stream_head is None:
+        if not self.streams:
             head = self.serving_model.head
             return head.weight.detach(), head.bias.detach()
         solved = self.solved_head()
@@ -58,7 +69,7 @@ class Serving:
 
     def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
         """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones)."""
-        if serving and self.stream_head is not None:
+        if serving and self.streams:
             head, n = self.solved_head(), self.num_classes
             return self._eval_map(lambda f: head.full_logits(f, n).to(f.device), images, batch_size,
                                   self.frozen_features)
@@ -136,7 +147,7 @@ class Serving:
         """The serving head's answers on `serving_features` of some images: what `predict` answers
         on those images, without a second pass through the network (the head runs on the same
         chunks), so one feature pass serves several heads (an evaluation's corrections)."""
-        if self.stream_head is not None:
+        if self.streams:
             return self.solved_head().predict(features.cpu()).to(self.device)
         head = self.serving_model.head
         with torch.inference_mode():

@@ -86,6 +86,11 @@ class StreamingClassMeans:
     def classes(self) -> list[int]:
         return torch.nonzero(self.counts > 0).flatten().tolist()
 
+    def youngest(self) -> int:
+        """The fewest samples any class seen (and not forgotten) has had; 0 before any."""
+        seen = self.counts[self.counts > 0]
+        return int(seen.min()) if len(seen) else 0
+
     def forget(self, class_id: int) -> None:
         if class_id < len(self.counts):
             self.sums[class_id], self.counts[class_id], self.squares[class_id] = 0, 0, 0

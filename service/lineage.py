@@ -217,7 +217,16 @@ def make_learner_of(lineage: Lineage, settings: Settings, device: str):
                         **lineage.stronger_learner(), device=device, seed=settings.seed, image_shape=shape,
                         latent_dtype=torch.bfloat16 if settings.latent_bf16 else None, serving_bn=settings.serving_bn,
                         serving_bias=lineage.serving_bias, backbone=backbone,
-                        serving_head="slda" if lineage.head == "slda" else None)
+                        serving_head="slda" if lineage.head == "slda" else None,
+                        trained_head_from=trained_head_from(lineage, settings))
+
+
+def trained_head_from(lineage: Lineage, settings: Settings) -> int | None:
+    """ASER_TRAINED_HEAD_FROM, where the lineage serves streaming LDA (the only head it hands over from)."""
+    if settings.trained_head_from is not None and lineage.head != "slda":
+        raise ValueError(f"ASER_TRAINED_HEAD_FROM hands serving from streaming LDA to the trained head, but this "
+                         f"lineage serves ASER_HEAD={lineage.head}: set ASER_HEAD=slda (lite0's default) or unset it")
+    return settings.trained_head_from
 
 
 def lineage_of(settings: Settings, checkpoints) -> Lineage:

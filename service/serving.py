@@ -42,6 +42,7 @@ class Predictor:
     rehearsal_steps: int = 0
     lean_steps: int = 0
     normalize: bool = False  # the head takes unit-norm features (the NCM head)
+    streams: bool = False  # a streaming head on the frozen features answers (`ContinualLearner.streams`)
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
@@ -53,7 +54,7 @@ class Predictor:
         return cls(learner.pixel_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
                    tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
                    learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps, learner.lean_steps,
-                   normalize=ncm is not None)
+                   normalize=ncm is not None, streams=ncm is None and learner.streams)
 
     @property
     def labels(self) -> tuple[str, ...]:

@@ -96,6 +96,9 @@ class Settings(BaseSettings):
                                                          "memory's features, or (lite0) streaming LDA on the frozen "
                                                          "features, which every sample reaches (unset: softmax from "
                                                          "scratch, slda on lite0)")
+    trained_head_from: int | None = Field(None, ge=1, description="with ASER_HEAD=slda: the trained head serves "
+                                          "(and snapshots export it) once every class seen has this many samples, "
+                                          "streaming LDA while any is younger (unset: streaming LDA always)")
     ncm_refresh_steps: int = Field(50, ge=1, description="with ASER_HEAD=ncm: recompute the class means every N "
                                    "steps (and when the memory's classes change)")
     device: str = "auto"
@@ -193,9 +196,10 @@ class Settings(BaseSettings):
         if self.method not in REPLAY_METHODS and chosen.items() - neutral:
             raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the "
                              f"replay methods, not {self.method}")
-        from .lineage import Lineage
+        from .lineage import Lineage, trained_head_from
 
-        Lineage.resolve(self, None)  # the combination as set (a data directory's lineage may fill in more)
+        # the combination as set (a data directory's lineage may fill in more)
+        trained_head_from(Lineage.resolve(self, None), self)
         if self.read_token is not None and self.write_token is None and self.admin_token is None:
             raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
                              "ASER_ADMIN_TOKEN too")

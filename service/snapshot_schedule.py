@@ -58,8 +58,10 @@ class SnapshotSchedule:
         """The published model (its classes and head) with the learner's network, copied now."""
         p = predictor
         self.last_at = learner.steps
+        # under ASER_TRAINED_HEAD_FROM the published head is streaming LDA's or the trained one's
+        head = "softmax" if self.head == "slda" and not p.streams else self.head
         return self.snapshots.submit(learner, list(p.classes), p.version, p.steps, p.samples_trained, reason,
-                                     (p.head_weight, p.head_bias), self.head, self._calibration_images(p.trained_upto),
+                                     (p.head_weight, p.head_bias), head, self._calibration_images(p.trained_upto),
                                      self.settings.snapshot_int8_min_agreement)
 
     def _calibration_images(self, trained_upto: int) -> np.ndarray | None:

@@ -274,7 +274,7 @@ class SnapshotStore:
         head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
         job = ExportJob(weights, learner.backbone.identity(), learner.image_shape[1], [classes[i] for i in rows], rows,
                         self.directory / name, meta, head, normalize=head_name == "ncm",
-                        frozen_features=learner.stream_head is not None, calibration=calibration,
+                        frozen_features=head_name == "slda", calibration=calibration,
                         min_agreement=min_agreement)
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)

@@ -175,3 +175,27 @@ def test_the_served_streaming_heads_debias_a_young_class_and_lda_waits_for_it():
     lda.update(x[:1] + 5, torch.tensor([3]))
     grown = lda.head()
     assert not torch.allclose(grown.weight, lda.means()[1].float()) and grown.class_ids.tolist() == [0, 1, 2, 3]
+
+
+def test_the_streaming_head_serves_while_a_class_is_young_and_the_trained_head_after(stream):
+    # one trajectory, three servers: always streaming LDA, always the trained head, and the hand-over
+    labels = torch.cat([y for _, y in stream])
+    mature = int(torch.bincount(labels).min())  # every class has this many once the stream is in
+    handing = lite0_learner(cut=15, serving_head="slda", trained_head_from=mature)
+    streaming, trained = lite0_learner(cut=15, serving_head="slda"), lite0_learner(cut=15)
+    test = torch.cat([x for x, _ in stream[:3]])
+    for x, y in stream:
+        for learner in (handing, streaming, trained):
+            learner.observe(x, y)
+        if handing.streams:
+            assert torch.equal(handing.logits(test), streaming.logits(test))
+    assert not handing.streams and handing.stream_head.youngest() == mature
+    assert torch.equal(handing.logits(test), trained.logits(test))
+    assert torch.equal(handing.served_head()[0], trained.served_head()[0])
+    # a new class is young again: streaming LDA answers it until it has grown, or it is forgotten
+    handing.observe(stream[0][0][:2], torch.tensor([4, 4]))
+    assert handing.streams and set(handing.predict(stream[0][0][:2]).tolist()) <= {0, 1, 2, 3, 4}
+    handing.forget_class(4)
+    assert not handing.streams
+    with pytest.raises(ValueError, match="serving_head"):
+        lite0_learner(cut=15, trained_head_from=10)

@@ -176,3 +176,34 @@ def test_a_restart_goes_on_as_the_directory_was_trained_and_a_mixed_backbone_is_
     after = status(server)
     assert after["config"]["backbone"] == "lite0" and after["samples_trained"] == before["samples_trained"]
     assert predict(server, images, k=2)["results"] == answers["results"]
+
+
+def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
+    """ASER_TRAINED_HEAD_FROM=N: streaming LDA answers while a class has fewer than N samples, the trained
+    head once every class has N, in /predict and in the snapshot alike; a new class hands back."""
+    from clients.onnx_client import OnnxClassifier
+    from service.settings import Settings
+
+    with pytest.raises(ValueError, match="ASER_TRAINED_HEAD_FROM"):
+        Settings(backbone="scratch", trained_head_from=TRAIN_A_CLASS).check_learner()
+    server.stop()
+    server.env["ASER_TRAINED_HEAD_FROM"] = str(TRAIN_A_CLASS)  # every class left has had that many
+    server.start()
+    st = status(server)
+    assert st["serving_head"] == "softmax" and st["config"]["trained_head_from"] == TRAIN_A_CLASS
+    r = httpx.post(f"{server.url}/snapshots", timeout=300)
+    assert r.status_code == 201, r.text
+    clf = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{r.json()['id']}").content)
+    assert clf.metadata["head"] == "softmax"
+    _, images = held_out(photos)
+    ours = predict(server, images, k=1)["results"]
+    theirs = clf.predict([io.BytesIO(i) for i in images], k=1)
+    assert [t[0]["label"] for t in theirs] == [m[0]["label"] for m in ours]
+    assert np.allclose([t[0]["probability"] for t in theirs], [m[0]["probability"] for m in ours], atol=1e-3)
+
+    cat_shot = photos["cat"][1][0]
+    r = httpx.post(f"{server.url}/samples", files=[("image", ("kitten.jpg", cat_shot, "image/jpeg"))],
+                   data={"label": "kitten"}, timeout=60)
+    assert r.status_code == 201, r.text
+    assert wait_trained(server, st["samples_received"] + 1, timeout=600)["serving_head"] == "slda"
+    del server.env["ASER_TRAINED_HEAD_FROM"]

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --backbone lite0: serve a streaming head on the frozen features (ncm: the nearest "
                           "class mean, slda: streaming LDA) instead of the trained one; the memory still trains "
                           "the top")
+    run.add_argument("--trained-head-from", type=int, metavar="N",
+                     help="with --serving-head: the streaming head serves while a class seen has fewer than N "
+                          "samples, the trained head once every class has N")
     run.add_argument("--latent-bits", type=int, choices=(8, 16), default=16,
                      help="with --backbone lite0: bits a stored latent value (8: the pooled cut only)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

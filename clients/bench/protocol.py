@@ -192,6 +192,7 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age, backbone=getattr(args, "backbone_object", None),
         **({"serving_head": args.serving_head} if args.serving_head else {}),
+        **({"trained_head_from": args.trained_head_from} if getattr(args, "trained_head_from", None) else {}),
     )
 
 
@@ -314,6 +315,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
             **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),
             **({"serving_head": args.serving_head} if args.serving_head else {}),
+            **({"trained_head_from": args.trained_head_from} if getattr(args, "trained_head_from", None) else {}),
         },
         "device": str(device),
         "machine": " + ".join(run["machines"]),

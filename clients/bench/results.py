@@ -94,7 +94,8 @@ def run_label(result: dict) -> str:
         modes.append(f"{backbone['backbone']} {backbone['input_size']}px cut {backbone['cut']}"
                      + (f" {backbone['latent_bits']}-bit" if backbone["latent_bits"] != 16 else ""))
     if settings.get("serving_head"):
-        modes.append(f"serve {settings['serving_head']}")
+        modes.append(f"serve {settings['serving_head']}"
+                     + (f" until {settings['trained_head_from']} a class" if settings.get("trained_head_from") else ""))
     if backbone and settings.get("lr", 0.1) != 0.1:
         modes.append(f"lr {settings['lr']:g}")
     if result.get("via"):

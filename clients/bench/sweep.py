@@ -100,6 +100,9 @@ class RunSpec:
         >>> RunSpec("cifar10", "cb-sv-duel", 200, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
         ...         ("cut", 15), ("serving_head", "slda"), ("lr", 0.01))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut15-serveslda-lr0.01-m200-seed0.json'
+        >>> RunSpec("cifar10", "cb-sv-duel", 1000, "joint", "ace", "fp32", 1, extra=(("backbone", "lite0"),
+        ...         ("cut", 11), ("serving_head", "slda"), ("trained_head_from", 1000))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-serveslda-from1000-m1000-seed1.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -133,6 +136,8 @@ class RunSpec:
                 parts.append(f"{extra['latent_bits']}bit")
         if "serving_head" in extra:
             parts.append(f"serve{extra['serving_head']}")
+        if "trained_head_from" in extra:
+            parts.append(f"from{extra['trained_head_from']}")
         if "lr" in extra:
             parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:

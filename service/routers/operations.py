@@ -97,6 +97,8 @@ class Status(BaseModel):
     steps: int
     serving_current: bool = Field(description="the served model carries the corrections of the learner's latest "
                                   "step (false for a moment after training, until the idle worker refits them)")
+    serving_head: str = Field(description="the head answering now: slda (streaming LDA on the frozen features), "
+                              "softmax (the trained head) or ncm; with ASER_TRAINED_HEAD_FROM it changes as classes grow")
     last_step_ms: float
     method: str
     config: dict[str, bool | int | float | str]
@@ -128,6 +130,7 @@ def status(rt: Runtime) -> dict:
         "model_version": p.version,
         "steps": p.steps,
         "serving_current": published.current,
+        "serving_head": "slda" if p.streams else ("ncm" if p.normalize else "softmax"),
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
         "method": lineage.method,
         "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "k", "n_candidates",
@@ -136,6 +139,7 @@ def status(rt: Runtime) -> dict:
                    **lineage.backbone_settings(), "lr": lineage.lr,
                    "replay_batch": replay_batch_on(rt.settings, worker.device),
                    **lineage.replay_objective(), **lineage.stronger_learner(), "head": lineage.head,
+                   **({"trained_head_from": n} if (n := rt.settings.trained_head_from) else {}),
                    "serving_bn": rt.settings.serving_bn, "serving_bias": lineage.serving_bias},
         "worker": {"alive": worker.alive, "restarts": worker.restarts, "last_error": worker.last_error,
                    "checkpoint_failures": worker.checkpointing.failures,
