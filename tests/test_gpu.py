@@ -135,3 +135,36 @@ def test_knn_shapley_and_augmentation_match_on_the_gpu(cifar10_slice):
                           knn_shapley(ev.cuda(), ev_y.cuda(), cand.cuda(), cand_y.cuda(), 3).cpu(), atol=1e-6)
     images = cifar10_slice.train_x[:32]
     assert torch.equal(BatchAugment(seed=4)(images), BatchAugment(seed=4)(images.cuda()).cpu())
+
+
+def test_the_pretrained_backbone_steps_on_the_gpu_as_on_the_cpu(cifar10_slice):
+    """EfficientNet-Lite0 frozen below cut 11, the duel memory of latents, streaming LDA handing over to
+    the trained top: from one state and the same batch, the same latents stored, the same memory and
+    streaming statistics afterwards (float tolerance), logits as close as the step allows."""
+    from learner.backbone import PretrainedBackbone
+
+    x, y = cifar10_slice.train_x, cifar10_slice.train_y
+    order = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))[:220]
+
+    def lite0(device):
+        return make_learner("cb-sv-duel", 10, mem_size=100, loss="ace", ema_decay=0.99, lr=0.01, seed=5,
+                            backbone=PretrainedBackbone(input_size=128, cut=11), serving_head="slda",
+                            trained_head_from=15, device=device)
+
+    cpu = lite0("cpu")
+    for i in range(0, 200, 10):
+        cpu.observe(x[order[i:i + 10]], y[order[i:i + 10]])
+    gpu = lite0("cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    batch_x, batch_y = x[order[200:210]], y[order[200:210]]
+    latents = [learner.encode(batch_x.to(learner.device)).float().cpu() for learner in (cpu, gpu)]
+    assert (latents[0] - latents[1]).abs().max() < 1e-2 * latents[0].abs().max()  # fp16 latents, two devices' sums
+    probe = cifar10_slice.test_x[:50]
+    before = cpu.logits(probe, serving=False)
+    for learner in (cpu, gpu):
+        learner.observe(batch_x, batch_y)
+    assert torch.equal(cpu.buffer.labels, gpu.buffer.labels.cpu())
+    assert torch.allclose(cpu.stream_head.sums, gpu.stream_head.sums.cpu(), rtol=1e-3, atol=1e-2)
+    assert cpu.streams == gpu.streams
+    after = cpu.logits(probe, serving=False)
+    assert (after - gpu.logits(probe, serving=False).cpu()).abs().max() < 0.05 * (after - before).abs().mean()
