@@ -193,8 +193,9 @@ def test_the_streaming_head_serves_while_a_class_is_young_and_the_trained_head_a
     assert torch.equal(handing.logits(test), trained.logits(test))
     assert torch.equal(handing.served_head()[0], trained.served_head()[0])
     # a new class is young again: streaming LDA answers it until it has grown, or it is forgotten
-    handing.observe(stream[0][0][:2], torch.tensor([4, 4]))
-    assert handing.streams and set(handing.predict(stream[0][0][:2]).tolist()) <= {0, 1, 2, 3, 4}
+    for learner in (handing, streaming):
+        learner.observe(stream[0][0][:2], torch.tensor([4, 4]))
+    assert handing.streams and torch.equal(handing.logits(test), streaming.logits(test))
     handing.forget_class(4)
     assert not handing.streams
     with pytest.raises(ValueError, match="serving_head"):
