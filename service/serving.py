@@ -57,6 +57,11 @@ class Predictor:
                    normalize=ncm is not None, streams=ncm is None and learner.streams)
 
     @property
+    def head_name(self) -> str:
+        """The head answering: slda (streaming LDA on the frozen features), ncm or softmax (the trained one)."""
+        return "slda" if self.streams else "ncm" if self.normalize else "softmax"
+
+    @property
     def labels(self) -> tuple[str, ...]:
         """The classes it answers (learned, not forgotten)."""
         return tuple(c for c in self.classes if c is not None)

@@ -25,9 +25,9 @@ MIN_CALIBRATION_IMAGES = 16  # an int8 variant calibrates on half and is checked
 
 
 class SnapshotSchedule:
-    def __init__(self, snapshots: SnapshotStore, settings: Settings, head: str, store: IngestLog,
+    def __init__(self, snapshots: SnapshotStore, settings: Settings, store: IngestLog,
                  image_shape: tuple[int, int, int]):
-        self.snapshots, self.settings, self.head = snapshots, settings, head
+        self.snapshots, self.settings = snapshots, settings
         self.store, self.image_shape = store, image_shape
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.last_at = 0  # the learner's steps at the last export
@@ -58,10 +58,9 @@ class SnapshotSchedule:
         """The published model (its classes and head) with the learner's network, copied now."""
         p = predictor
         self.last_at = learner.steps
-        # under ASER_TRAINED_HEAD_FROM the published head is streaming LDA's or the trained one's
-        head = "softmax" if self.head == "slda" and not p.streams else self.head
         return self.snapshots.submit(learner, list(p.classes), p.version, p.steps, p.samples_trained, reason,
-                                     (p.head_weight, p.head_bias), head, self._calibration_images(p.trained_upto),
+                                     (p.head_weight, p.head_bias), p.head_name,
+                                     self._calibration_images(p.trained_upto),
                                      self.settings.snapshot_int8_min_agreement)
 
     def _calibration_images(self, trained_upto: int) -> np.ndarray | None:

@@ -80,7 +80,7 @@ class LearnerWorker:
                                        settings.snapshot_timeout_s, settings.snapshot_keep,
                                        keep_exporter=self.lineage.backbone == "scratch")
         self.history = History(db, settings.history_max_points)
-        self.schedule = SnapshotSchedule(self.snapshots, settings, self.lineage.head, store, self.image_shape)
+        self.schedule = SnapshotSchedule(self.snapshots, settings, store, self.image_shape)
         self.forgetting = ForgetRequests(self)
         self.restarts = 0
         self.last_error: str | None = None

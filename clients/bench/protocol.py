@@ -191,9 +191,14 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age, backbone=getattr(args, "backbone_object", None),
-        **({"serving_head": args.serving_head} if args.serving_head else {}),
-        **({"trained_head_from": args.trained_head_from} if getattr(args, "trained_head_from", None) else {}),
+        **serving_options(args),
     )
+
+
+def serving_options(args) -> dict:
+    """The served head's options as set: what builds the learner and what its result records."""
+    return {**({"serving_head": args.serving_head} if args.serving_head else {}),
+            **({"trained_head_from": args.trained_head_from} if args.trained_head_from else {})}
 
 
 def stream_passes(args, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[list[int]], bool]:
@@ -314,8 +319,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
             **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),
-            **({"serving_head": args.serving_head} if args.serving_head else {}),
-            **({"trained_head_from": args.trained_head_from} if getattr(args, "trained_head_from", None) else {}),
+            **serving_options(args),
         },
         "device": str(device),
         "machine": " + ".join(run["machines"]),

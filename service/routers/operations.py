@@ -130,7 +130,7 @@ def status(rt: Runtime) -> dict:
         "model_version": p.version,
         "steps": p.steps,
         "serving_current": published.current,
-        "serving_head": "slda" if p.streams else ("ncm" if p.normalize else "softmax"),
+        "serving_head": p.head_name,
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
         "method": lineage.method,
         "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "k", "n_candidates",
