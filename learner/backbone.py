@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .frozen_runtime import FrozenGraphs
 from .model import ReducedResNet18, fold_batchnorm, scale_pixels
 from .pretrained import FEATURE_DIM, NUM_BLOCKS, POOLED, load_lite0
 
@@ -147,6 +148,7 @@ class PretrainedBackbone:
         if self.latent_bits not in (8, 16) or (self.latent_bits == 8 and self.cut != POOLED):
             raise ValueError("latents are stored in 16 bits, or in 8 at the pooled cut (ReLU6's fixed range)")
         self.frozen = load_lite0(self.input_size)
+        self.graphs = FrozenGraphs(self.frozen, self.cut)  # the frozen part in onnxruntime, on the CPU
         self.stored_shape = self.frozen.latent_shape(self.cut)
         self.stored_dtype = torch.uint8 if self.latent_bits == 8 else torch.float16
         self.channels_last = False
@@ -163,17 +165,32 @@ class PretrainedBackbone:
     def is_stored(self, x: torch.Tensor) -> bool:
         return x.dtype == self.stored_dtype and tuple(x.shape[1:]) == self.stored_shape
 
-    @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images [b, 3, H, W] (any size: resized to `input_size`) -> stored latents; latents
         already stored pass through."""
+        return self._encode(images, features=False)[0]
+
+    def encode_with_features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode`, and the frozen network's pooled features of the stored latents (what the
+        streaming heads read), from one pass."""
+        return self._encode(images, features=True)
+
+    @torch.no_grad()
+    def _encode(self, images: torch.Tensor, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_stored(images):
-            return images
+            return images, self.frozen_features(images) if features else None
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"expected uint8 images [b, 3, H, W] or stored latents {self.stored_shape}, "
                              f"got {images.dtype} {tuple(images.shape)}")
-        self.frozen.to(images.device)
-        return self.quantise(self.frozen.lower(images, self.cut))
+        if images.device.type != "cpu" or not images.shape[0]:  # a GPU keeps its own
+            self.frozen.to(images.device)
+            stored = self.quantise(self.frozen.lower(images, self.cut))
+            return stored, self.frozen_features(stored) if features else None
+        latent, above = self.graphs.lower(images, features)
+        stored = self.quantise(latent)
+        if features and above is None:  # at the pooled cut the features are the stored latent itself
+            above = dequantise(stored, self.latent_bits)
+        return stored, above
 
     def quantise(self, latent: torch.Tensor) -> torch.Tensor:
         return quantise(latent, self.latent_bits)
@@ -198,6 +215,8 @@ class PretrainedBackbone:
     def frozen_features(self, stored: torch.Tensor) -> torch.Tensor:
         """The frozen network's pooled features of stored latents (what the streaming heads see)."""
         x = self.to_input(stored)
+        if x.device.type == "cpu" and x.shape[0]:
+            return self.graphs.upper(x)
         self.frozen.to(x.device)
         return self.frozen.upper(x, self.cut)
 

@@ -110,9 +110,9 @@ class ContinualLearner(Serving, HeadClasses):
         memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
         the stream gets a step."""
         pixels = images.to(self.device)
-        images, labels = self.encode(pixels), labels.to(self.device, torch.long)
+        (images, frozen), labels = self._encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        self._update_stream_head(images, labels)
+        self._update_stream_head(frozen, labels)
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
         self.lean_steps += lean
@@ -122,10 +122,17 @@ class ContinualLearner(Serving, HeadClasses):
         self.samples_seen += images.shape[0]
         return stats
 
-    def _update_stream_head(self, stored: torch.Tensor, labels: torch.Tensor) -> None:
+    def _encode_incoming(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Incoming images -> their stored form, and the frozen features a streaming head reads (one
+        frozen pass for both), or None without one."""
+        if self.stream_head is None:
+            return self.encode(pixels), None
+        return self.backbone.encode_with_features(pixels)
+
+    def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor) -> None:
         """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
         if self.stream_head is not None:
-            self.stream_head.update(self.backbone.frozen_features(stored), labels)
+            self.stream_head.update(frozen, labels)
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
@@ -141,9 +148,9 @@ class ContinualLearner(Serving, HeadClasses):
         a skipped sample among as many candidates as a trained one); `lean`: through the update's
         lean form, as a lean step would. A learner without a memory only counts them."""
         pixels = images.to(self.device)
-        images, labels = self.encode(pixels), labels.to(self.device, torch.long)
+        (images, frozen), labels = self._encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        self._update_stream_head(images, labels)
+        self._update_stream_head(frozen, labels)
         step = batch_size or labels.numel()
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             for i in range(0, labels.numel(), step):

@@ -8,7 +8,8 @@ Supported inputs (the format is recognised from the path):
 - an image folder, as a directory or a .zip: either `train/<class>/*` and `test/<class>/*`, or
   `<class>/*` alone (then 1/6 of each class is held out for testing, as the paper does for
   Mini-ImageNet). A `classes.txt` beside the class folders fixes the class order; otherwise
-  it is the sorted folder names (which is CIFAR's standard order).
+  it is the sorted folder names (which is CIFAR's standard order). EuroSAT's `<Class>/<Class>_<n>.jpg`
+  ships no split: the shared one holds out every image whose n is a multiple of 5 (`EUROSAT_TEST_EVERY`).
 
 Images come out as uint8 [N, 3, H, W], labels as int64 class ids in the fixed class order, so
 that task t holds classes [t * c, (t + 1) * c) as in the paper.
@@ -21,6 +22,7 @@ import io
 import itertools
 import os
 import pickle
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -29,8 +31,11 @@ import numpy as np
 import torch
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-TASKS = {"cifar10": 5, "cifar100": 10, "mini-imagenet": 10}
-CLASSES = {"cifar10": 10, "cifar100": 100, "mini-imagenet": 100}
+TASKS = {"cifar10": 5, "cifar100": 10, "mini-imagenet": 10, "eurosat": 5}
+CLASSES = {"cifar10": 10, "cifar100": 100, "mini-imagenet": 100, "eurosat": 10}
+# EuroSAT (Helber et al. 2019) ships no split: ../shared/datasets/README.md fixes one, the images numbered by a
+# multiple of 5 held out (21,600 / 5,400), training images in the order of their number
+EUROSAT_TEST_EVERY = 5
 HOLDOUT_FRACTION = 1 / 6
 SPLIT_SEED = 0  # the train/test division of folders without one is fixed, not per run
 
@@ -67,7 +72,7 @@ class ImageDataset:
 
 def load_dataset(name: str, path: str | os.PathLike, train_per_class: int | None = None,
                  test_per_class: int | None = None, cache_dir: str | os.PathLike | None = None) -> ImageDataset:
-    """Load `name` (cifar10, cifar100, mini-imagenet) from `path`, optionally a per-class slice."""
+    """Load `name` (cifar10, cifar100, mini-imagenet, eurosat) from `path`, optionally a per-class slice."""
     if name not in CLASSES:
         raise DatasetError(f"unknown dataset {name!r}; expected one of {', '.join(CLASSES)}")
     path = Path(path)
@@ -88,7 +93,8 @@ def load_dataset(name: str, path: str | os.PathLike, train_per_class: int | None
 
 def _expected(name: str) -> str:
     pickles = {"cifar10": "a cifar-10-batches-py/ folder", "cifar100": "a cifar-100-python/ folder",
-               "mini-imagenet": "a folder with mini-imagenet-cache-{train,val,test}.pkl"}[name]
+               "mini-imagenet": "a folder with mini-imagenet-cache-{train,val,test}.pkl",
+               "eurosat": "EuroSAT RGB's <Class>/<Class>_<n>.jpg"}[name]
     return f"{pickles}, or an image folder or .zip with train/<class>/ and test/<class>/ (or <class>/ alone)"
 
 
@@ -287,9 +293,32 @@ def _image_folder(path: Path, name: str, train_per_class: int | None, test_per_c
     classes = _class_files(tree, prefix)
     names = _class_order(tree, prefix, sorted(classes))
     files = [classes[c] for c in names]
+    if name == "eurosat":
+        return _slice(_numbered_split(tree, name, files, names), train_per_class, test_per_class)
     x = _decode(tree, sum(files, []))
     y = torch.cat([torch.full((len(f),), i, dtype=torch.long) for i, f in enumerate(files)])
     return _slice(_holdout(name, x, y, names), train_per_class, test_per_class)
+
+
+def _file_number(tree: _Tree, file: str) -> int:
+    match = re.search(r"_(\d+)\.[^./]+$", file)
+    if match is None:
+        raise DatasetError(f"{tree.path}: {file} is not named <Class>_<n>.<ext> as EuroSAT's files are")
+    return int(match.group(1))
+
+
+def _numbered_split(tree: _Tree, name: str, files: list[list[str]], names: list[str]) -> ImageDataset:
+    """Every class's files in the order of their number; those numbered by a multiple of
+    EUROSAT_TEST_EVERY are the test set."""
+    parts = {True: ([], []), False: ([], [])}
+    for c, class_files in enumerate(files):
+        for f in sorted(class_files, key=lambda f: _file_number(tree, f)):
+            held_out = _file_number(tree, f) % EUROSAT_TEST_EVERY == 0
+            parts[held_out][0].append(f)
+            parts[held_out][1].append(c)
+    (train, train_y), (test, test_y) = parts[False], parts[True]
+    return ImageDataset(name, _decode(tree, train), torch.tensor(train_y), _decode(tree, test), torch.tensor(test_y),
+                        names)
 
 
 def default_cache_dir() -> Path:

@@ -37,7 +37,8 @@ class Serving:
         return self._eval_map(self.inference_features(self.autocast_dtype), images, batch_size)
 
     def frozen_features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.backbone.frozen_features(self.encode(images))
+        """The frozen network's pooled features of images (or stored latents): what a streaming head reads."""
+        return self.backbone.encode_with_features(images)[1]
 
     def pixel_features(self):
         """uint8 pixels [n, 3, H, W] -> the features the served head reads, as a function that later

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASETS = Path(os.environ.get("ASER_TEST_DATASETS", ROOT.parent / "shared" / "datasets"))
 CIFAR10_ZIP = DATASETS / "cifar10-jpeg.zip"
 MINI_ZIP = DATASETS / "mini-imagenet-slice.zip"
+EUROSAT_ZIP = DATASETS / "eurosat-rgb.zip"
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from PIL import Image
 
 from learner.data import DatasetError, load_dataset, task_batches, task_test_set
 
-from .conftest import CIFAR10_ZIP, MINI_ZIP
+from .conftest import CIFAR10_ZIP, EUROSAT_ZIP, MINI_ZIP
 
 
 def test_cifar10_zip_slice_has_the_standard_class_order(cifar10_slice):
@@ -34,6 +34,23 @@ def test_mini_imagenet_slice_follows_classes_txt_and_holds_out_a_sixth(cache_dir
     assert d.class_names == order and d.image_shape == (3, 84, 84)
     assert torch.bincount(d.test_y).tolist() == [10] * 100 and torch.bincount(d.train_y).tolist() == [50] * 100
     assert len(d.tasks()) == 10 and d.tasks()[1] == list(range(10, 20))
+
+
+def test_eurosat_has_the_shared_split_and_class_order(cache_dir):
+    # ../shared/datasets/README.md: n a multiple of 5 is a test image; classes alphabetical; files in the order of n
+    data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=5, test_per_class=2, cache_dir=cache_dir)
+    assert data.class_names[:3] == ["AnnualCrop", "Forest", "HerbaceousVegetation"] and data.num_classes == 10
+    assert data.image_shape == (3, 64, 64) and data.tasks() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert data.train_y.bincount().tolist() == [5] * 10 and data.test_y.bincount().tolist() == [2] * 10
+    with zipfile.ZipFile(EUROSAT_ZIP) as z:
+        def image(name):
+            return torch.from_numpy(np.asarray(Image.open(io.BytesIO(z.read(name))).convert("RGB")).transpose(2, 0, 1).copy())
+        # training: AnnualCrop_1, _2, _3, _4, _6 (not _10, which name order would put second); test: _5, _10
+        assert torch.equal(data.train_x[1], image("AnnualCrop/AnnualCrop_2.jpg"))
+        assert torch.equal(data.train_x[4], image("AnnualCrop/AnnualCrop_6.jpg"))
+        assert torch.equal(data.test_x[0], image("AnnualCrop/AnnualCrop_5.jpg"))
+        assert torch.equal(data.test_x[1], image("AnnualCrop/AnnualCrop_10.jpg"))
+        assert torch.equal(data.test_x[-1], image("SeaLake/SeaLake_10.jpg"))
 
 
 def test_decoded_folders_are_cached(tmp_path, cache_dir):

@@ -49,6 +49,25 @@ def test_the_imagenet_weights_answer_like_an_imagenet_classifier():
     assert (predicted == labels).float().mean() >= 0.30
 
 
+@pytest.mark.parametrize("cut", [11, POOLED])
+def test_onnxruntime_runs_the_frozen_part_as_pytorch_does_on_real_photos(cut):
+    # the learner's frozen part runs in onnxruntime (learner.frozen_runtime); PyTorch's eager forward is the reference
+    images, _ = mini_imagenet_sample(per_class=1)
+    backbone = PretrainedBackbone(input_size=160, cut=cut)
+    stored, features = backbone.encode_with_features(images)
+    with torch.no_grad():
+        reference = backbone.frozen.lower(images, cut)
+        reference_features = backbone.frozen.upper(reference.half().float(), cut)
+    assert stored.dtype == torch.float16 and stored.shape == reference.shape
+    # within fp16's rounding of the latent (a relative 2^-11) plus the kernels' float32 differences
+    assert torch.allclose(stored.float(), reference, rtol=2e-3, atol=2e-3)
+    assert torch.allclose(features, reference_features, rtol=2e-3, atol=2e-3)
+    assert torch.allclose(backbone.frozen_features(stored), features, rtol=1e-4, atol=1e-4)
+    # the frozen network's ImageNet answers stay the same on every photo
+    assert torch.equal(backbone.frozen.classifier(features).argmax(1),
+                       backbone.frozen.classifier(reference_features).argmax(1))
+
+
 @pytest.fixture(scope="module")
 def stream(cifar10_slice):
     """Ten batches of ten CIFAR-10 training images over four classes."""
@@ -80,7 +99,7 @@ def test_the_frozen_part_never_changes_and_the_memory_holds_its_latents(stream):
     assert len(buffer) == 30 and buffer.images.dtype == torch.float16
     assert tuple(buffer.images.shape[1:]) == (192, 2, 2)  # block 14's input at 64 px
     with torch.no_grad():  # batch by batch as the stream came (a convolution's last bits may depend on the batch)
-        fresh = torch.cat([learner.backbone.frozen.lower(x, 14).half() for x, _ in stream])
+        fresh = torch.cat([learner.backbone.encode(x) for x, _ in stream])
     # each stored latent is the fresh forward of one of the stream's images
     match = [(fresh == buffer.images[i]).flatten(1).all(1).nonzero().numel() for i in range(len(buffer))]
     assert all(m >= 1 for m in match)

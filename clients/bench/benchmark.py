@@ -21,7 +21,7 @@ from learner import METHODS
 from learner.backbone import BACKBONES, make_backbone
 from learner.base import SERVING_BN
 from learner.catch_up import MEMORY_SHARE
-from learner.data import ImageDataset, load_dataset
+from learner.data import CLASSES, ImageDataset, load_dataset
 from learner.objective import LOSSES, STEPS
 from learner.pretrained import POOLED
 from learner.streaming import HEADS
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="replay a class-incremental stream through one method", formatter_class=HelpFormatter)
-    run.add_argument("--dataset", required=True, choices=["cifar10", "cifar100", "mini-imagenet"])
+    run.add_argument("--dataset", required=True, choices=sorted(CLASSES))
     run.add_argument("--data", required=True, help="dataset path: pickle folder, image folder or .zip")
     run.add_argument("--method", required=True, choices=METHODS)
     run.add_argument("--mem-size", type=int, default=1000, help="replay memory size M")

@@ -30,31 +30,26 @@ def _data_key(data: ImageDataset) -> str:
     return digest.hexdigest()
 
 
-@torch.no_grad()
-def _encode_all(backbone, images: torch.Tensor, cuts: list[int], progress=None) -> dict[int, torch.Tensor]:
-    """The frozen part's output at each of `cuts` (ascending), in fp16 (what 16-bit latents store;
-    8-bit ones are quantised from it, at most one grid step from quantising the fp32 output)."""
-    parts: dict[int, list[torch.Tensor]] = {cut: [] for cut in cuts}
+def _encode_all(backbone, images: torch.Tensor, progress=None) -> torch.Tensor:
+    """The frozen part's output at the backbone's cut, by the learner's own path (onnxruntime on the
+    CPU), in fp16 (what 16-bit latents store; 8-bit ones are quantised from it, at most one grid step
+    from quantising the fp32 output)."""
+    parts = []
     for i in range(0, images.shape[0], ENCODE_BATCH):
-        x, at = backbone.frozen.lower(images[i:i + ENCODE_BATCH], cuts[0]), cuts[0]
-        parts[at].append(x.half())
-        for cut in cuts[1:]:
-            x, at = backbone.frozen.between(x, at, cut), cut
-            parts[cut].append(x.half())
+        parts.append(backbone.graphs.lower(images[i:i + ENCODE_BATCH], features=False)[0].half())
         if progress:
             progress(min(i + ENCODE_BATCH, images.shape[0]))
-    return {cut: torch.cat(p) for cut, p in parts.items()}
+    return torch.cat(parts)
 
 
 def _cache_file(data: ImageDataset, backbone, cut: int, cache_dir) -> Path:
-    name = f"{backbone.name}-{backbone.input_size}px-cut{cut}"
+    name = f"{backbone.name}-{backbone.input_size}px-cut{cut}-ort"  # -ort: onnxruntime's latents
     return Path(cache_dir or default_cache_dir()) / f"{data.name}-{_data_key(data)}-{name}.pt"
 
 
 def encoded_dataset(data: ImageDataset, backbone, cache_dir: str | os.PathLike | None = None,
-                    progress=None, also_cuts: tuple[int, ...] = ()) -> ImageDataset:
-    """`data` with its images replaced by `backbone.encode` of them (from the cache if there).
-    `also_cuts`: cache the latents at these later cuts too, from the same pass."""
+                    progress=None) -> ImageDataset:
+    """`data` with its images replaced by `backbone.encode` of them (from the cache if there)."""
     sha = backbone.frozen.weights_sha256
     file = _cache_file(data, backbone, backbone.cut, cache_dir)
     if file.exists():
@@ -64,19 +59,15 @@ def encoded_dataset(data: ImageDataset, backbone, cache_dir: str | os.PathLike |
                 return _stored(data, backbone, saved["train_x"], saved["test_x"])
         except Exception:
             pass  # a torn cache file is rebuilt
-    cuts = sorted({backbone.cut, *also_cuts})
-    train = _encode_all(backbone, data.train_x, cuts, progress)
-    test = _encode_all(backbone, data.test_x, cuts)
-    for cut in cuts:
-        try:
-            target = _cache_file(data, backbone, cut, cache_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(f".tmp{os.getpid()}")
-            torch.save({"train_x": train[cut], "test_x": test[cut], "weights_sha256": sha}, tmp)
-            os.replace(tmp, target)
-        except OSError:
-            pass
-    return _stored(data, backbone, train[backbone.cut], test[backbone.cut])
+    train, test = _encode_all(backbone, data.train_x, progress), _encode_all(backbone, data.test_x)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"train_x": train, "test_x": test, "weights_sha256": sha}, tmp)
+        os.replace(tmp, file)
+    except OSError:
+        pass
+    return _stored(data, backbone, train, test)
 
 
 def _stored(data: ImageDataset, backbone, train_x: torch.Tensor, test_x: torch.Tensor) -> ImageDataset:

@@ -1,0 +1,139 @@
+"""Lite0's frozen part in onnxruntime: what every incoming image and every prediction pays, at the
+runtime's speed.
+
+The frozen part never trains, so it needs no autograd: it is traced once into an ONNX graph (in
+memory, under a second) and onnxruntime runs it, about 3x faster than PyTorch's eager forward on
+one CPU thread (results/speed/frozen-part.json). The graphs take the pixels as `resize_pixels`
+gives them (floats scaled as Lite0 was trained, at the input size), so an image of any size is
+resized as before; PyTorch still runs what trains and anything on a GPU.
+
+`lower` gives the latent at the cut and, below the pooled cut, the frozen network's pooled
+features of that latent as the memory stores it in 16 bits (one pass for both: what the streaming
+heads read); `upper` gives those features from stored latents.
+
+>>> import torch
+>>> from learner.pretrained import load_lite0
+>>> frozen = load_lite0(input_size=96)
+>>> graphs = FrozenGraphs(frozen, cut=12)
+>>> pixels = torch.randint(0, 256, (2, 3, 96, 96), dtype=torch.uint8)
+>>> latent, features = graphs.lower(pixels)
+>>> latent.shape, features.shape
+(torch.Size([2, 192, 3, 3]), torch.Size([2, 1280]))
+>>> bool((latent - frozen.lower(pixels, 12)).abs().max() < 1e-3)
+True
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from .pretrained import POOLED, Lite0, resize_pixels
+
+RUN_BATCH = 32  # images a run: bounds the runtime's buffers whatever a caller sends at once
+
+
+class _Lower(nn.Module):
+    """Scaled pixels -> the latent at `cut` (and, below the pooled cut, the pooled features of the
+    latent rounded to fp16, as `learner.backbone.LatentPixelFeatures` computes them)."""
+
+    def __init__(self, frozen: Lite0, cut: int, with_features: bool):
+        super().__init__()
+        self.frozen, self.cut, self.with_features = frozen, cut, with_features
+
+    def forward(self, x: torch.Tensor):
+        x = self.frozen.stem(x)
+        for block in self.frozen.blocks[:self.cut]:
+            x = block(x)
+        if self.cut == POOLED:
+            return self.frozen.head(x).mean((2, 3))
+        if not self.with_features:
+            return x
+        return x, self.frozen.upper(x.half().float(), self.cut)
+
+
+class _Upper(nn.Module):
+    def __init__(self, frozen: Lite0, cut: int):
+        super().__init__()
+        self.frozen, self.cut = frozen, cut
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.frozen.upper(latent, self.cut)
+
+
+def _session(module: nn.Module, example: torch.Tensor, outputs: int):
+    """`module` traced to ONNX and loaded in onnxruntime, on as many threads as torch uses now.
+    The TorchScript tracer: the frozen part has no control flow, and it exports in under a second
+    where torch.export takes six (it would need a file cache, and the service starts it often)."""
+    import onnxruntime as ort
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    module.eval()  # the exporter restores the mode it found: train mode would reach the shared frozen modules
+    buffer = io.BytesIO()
+    names = [f"out{i}" for i in range(outputs)]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (example,), buffer, dynamo=False, input_names=["x"], output_names=names,
+                          dynamic_axes={"x": {0: "n"}, **{name: {0: "n"} for name in names}}, opset_version=17)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    # the learner shares its cores with the HTTP server and the training step: idle threads sleep
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    return ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
+
+
+class FrozenGraphs:
+    """The frozen part below `cut` (and above it, for stored latents) as onnxruntime sessions, built
+    at first use (thread-safe: sessions run concurrently)."""
+
+    def __init__(self, frozen: Lite0, cut: int):
+        self.frozen, self.cut = frozen, cut
+        self._sessions = {}
+        self._lock = threading.Lock()
+
+    def lower(self, images: torch.Tensor, features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """uint8 images [n, 3, H, W] -> (the latent at the cut, float32; with `features` below the
+        pooled cut, the pooled features of it as stored in 16 bits, else None)."""
+        features = features and self.cut < POOLED
+        size = self.frozen.input_size
+        session = self._session(("lower", features), lambda: _Lower(self.frozen, self.cut, features),
+                                (3, size, size), 2 if features else 1)
+        outs = [session.run(None, {"x": resize_pixels(chunk, size).numpy()}) for chunk in images.split(RUN_BATCH)]
+        return _joined([o[0] for o in outs]), _joined([o[1] for o in outs]) if features else None
+
+    def upper(self, latent: torch.Tensor) -> torch.Tensor:
+        """Float latents at the cut -> the frozen network's pooled features [n, 1280]."""
+        if self.cut == POOLED:
+            return latent.float()
+        session = self._session("upper", lambda: _Upper(self.frozen, self.cut),
+                                self.frozen.latent_shape(self.cut), 1)
+        return _joined([session.run(None, {"x": chunk.float().contiguous().numpy()})[0]
+                        for chunk in latent.split(RUN_BATCH)])
+
+    def _session(self, key, module, shape: tuple[int, ...], outputs: int):
+        if key not in self._sessions:
+            with self._lock:
+                if key not in self._sessions:
+                    self._sessions[key] = _session(module(), torch.zeros(2, *shape), outputs)
+        return self._sessions[key]
+
+    def __deepcopy__(self, memo):  # sessions are not copied: a copy builds its own at first use
+        return FrozenGraphs(self.frozen, self.cut)
+
+    def __getstate__(self):
+        return {"frozen": self.frozen, "cut": self.cut}
+
+    def __setstate__(self, state):
+        self.__init__(state["frozen"], state["cut"])
+
+
+def _joined(arrays: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(arrays) if len(arrays) != 1 else arrays[0])
