@@ -11,6 +11,7 @@ pretrained part's latents; a learner takes either images or their stored form.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 from torch.nn import functional as F
@@ -23,7 +24,7 @@ from .latent import Latent
 from .model import ReducedResNet18
 from .policy import StepContext
 from .serving import Serving
-from .streaming import make_head
+from .streaming import LinearHead, make_head
 
 
 def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
@@ -88,7 +89,7 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("trained_head_from hands serving from a streaming head to the trained one: it needs "
                              "serving_head and a count of at least 1")
         self.trained_head_from = trained_head_from
-        self._solved = None  # (samples_seen, the solved streaming head)
+        self._solved = None  # (the class counts it was solved at, the solved streaming head)
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
@@ -274,6 +275,8 @@ class ContinualLearner(Serving, HeadClasses):
             "backbone": self.backbone.identity(),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             **({"stream_head": self.stream_head.state_dict()} if self.stream_head is not None else {}),
+            # the head as solved last: a resumed learner answers as the one that went on
+            **({"solved_head": {"counts": self._solved[0], **asdict(self._solved[1])}} if self._solved else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -295,4 +298,6 @@ class ContinualLearner(Serving, HeadClasses):
             self.ema.load_state_dict(state.get("ema"), self.model)
         if self.stream_head is not None and "stream_head" in state:
             self.stream_head.load_state_dict(state["stream_head"])
-        self._solved = None
+        solved = state.get("solved_head")
+        self._solved = (solved["counts"], LinearHead(solved["class_ids"], solved["weight"], solved["bias"])) \
+            if solved and self.stream_head is not None else None

@@ -63,9 +63,10 @@ class Serving:
         return weight, bias
 
     def solved_head(self):
-        """The streaming head solved on what it has seen so far (once per new sample count)."""
-        if self._solved is None or self._solved[0] != (self.samples_seen, self.samples_skipped):
-            self._solved = ((self.samples_seen, self.samples_skipped), self.stream_head.head())
+        """The streaming head solved on what it has seen, solved again when it says it is due
+        (`StreamingClassMeans.solve_due`: streaming LDA's solve costs O(d^3))."""
+        if self._solved is None or self.stream_head.solve_due(self._solved[0]):
+            self._solved = (self.stream_head.counts.clone(), self.stream_head.head())
         return self._solved[1]
 
     def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
