@@ -20,6 +20,7 @@ from .backbone import ScratchBackbone
 from .buffer import pictures_of_admitted
 from .classes import HeadClasses
 from .ema import WeightAverage
+from .head_choice import HeadChoice
 from .latent import Latent
 from .model import ReducedResNet18
 from .policy import StepContext
@@ -48,7 +49,7 @@ class ContinualLearner(Serving, HeadClasses):
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
-                 trained_head_from: int | None = None):
+                 trained_head_from: int | None = None, choose_head: bool = False):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -89,6 +90,11 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("trained_head_from hands serving from a streaming head to the trained one: it needs "
                              "serving_head and a count of at least 1")
         self.trained_head_from = trained_head_from
+        # or the stream measures, class by class, which head answers (`learner.head_choice`)
+        if choose_head and (self.stream_head is None or trained_head_from is not None):
+            raise ValueError("choose_head measures the streaming head against the trained one: it needs serving_head "
+                             "and no trained_head_from")
+        self.head_choice = HeadChoice() if choose_head else None
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
@@ -113,6 +119,8 @@ class ContinualLearner(Serving, HeadClasses):
         pixels = images.to(self.device)
         (images, frozen), labels = self._encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
+        if self.head_choice is not None:
+            self._score_heads(images, frozen, labels)
         self._update_stream_head(frozen, labels)
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
@@ -129,6 +137,15 @@ class ContinualLearner(Serving, HeadClasses):
         if self.stream_head is None:
             return self.encode(pixels), None
         return self.backbone.encode_with_features(pixels)
+
+    def _score_heads(self, stored: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> None:
+        """Test, then train: each candidate head answers the samples of classes it has seen, before the step."""
+        seen = torch.zeros(self.num_classes, dtype=torch.bool)
+        counts = self.stream_head.counts[:self.num_classes]
+        seen[:len(counts)] = counts > 0
+        known = seen[labels.cpu()].to(labels.device)
+        if bool(known.any()):
+            self.head_choice.score(self.head_probabilities(stored[known], frozen[known]), labels[known])
 
     def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor) -> None:
         """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
@@ -277,6 +294,7 @@ class ContinualLearner(Serving, HeadClasses):
             **({"stream_head": self.stream_head.state_dict()} if self.stream_head is not None else {}),
             # the head as solved last: a resumed learner answers as the one that went on
             **({"solved_head": {"counts": self._solved[0], **asdict(self._solved[1])}} if self._solved else {}),
+            **({"head_choice": self.head_choice.state_dict()} if self.head_choice is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -298,6 +316,8 @@ class ContinualLearner(Serving, HeadClasses):
             self.ema.load_state_dict(state.get("ema"), self.model)
         if self.stream_head is not None and "stream_head" in state:
             self.stream_head.load_state_dict(state["stream_head"])
+        if self.head_choice is not None and "head_choice" in state:
+            self.head_choice.load_state_dict(state["head_choice"])
         solved = state.get("solved_head")
         self._solved = (solved["counts"], LinearHead(solved["class_ids"], solved["weight"], solved["bias"])) \
             if solved and self.stream_head is not None else None

@@ -32,6 +32,8 @@ class HeadClasses:
         if self.stream_head is not None:
             self.stream_head.forget(class_id)
             self._solved = None
+        if self.head_choice is not None:
+            self.head_choice.forget(class_id)
         self.version += 1
         buffer = getattr(self, "buffer", None)
         return buffer.remove_class(class_id) if buffer is not None else 0

@@ -69,8 +69,27 @@ class Serving:
             self._solved = (self.stream_head.counts.clone(), self.stream_head.head())
         return self._solved[1]
 
+    def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each candidate head's probabilities (`learner.head_choice.CANDIDATES`) of stored latents and their
+        frozen features, over class ids 0..num_classes-1, on the CPU."""
+        slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
+        with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
+            top = torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
+        return {"slda": slda, "top": top, "mix": (slda + top) / 2}
+
+    def candidate_probabilities(self, images: torch.Tensor, batch_size: int = 512) -> dict[str, torch.Tensor]:
+        """`head_probabilities` of images (or stored latents), and the served ones under the measured choice."""
+        parts = []
+        for i in range(0, images.shape[0], batch_size):
+            probabilities = self.head_probabilities(*self.backbone.encode_with_features(images[i:i + batch_size]))
+            parts.append({**probabilities, "served": self.head_choice.compose(probabilities)})
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+
     def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
         """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones)."""
+        if serving and self.head_choice is not None:  # the log of the served probabilities
+            served = self.candidate_probabilities(images, batch_size).get("served", torch.zeros(0, self.num_classes))
+            return served.to(self.device).clamp_min(1e-30).log()
         if serving and self.streams:
             head, n = self.solved_head(), self.num_classes
             return self._eval_map(lambda f: head.full_logits(f, n).to(f.device), images, batch_size,

@@ -17,6 +17,7 @@ import torch
 from learner import make_learner
 from learner.augment import AUGMENTATIONS
 from learner.data import ImageDataset, task_batches, task_test_set
+from learner.head_choice import CANDIDATES
 from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 from learner.ncm import memory_ncm
 
@@ -38,6 +39,8 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | No
     With `seen`, only the first `seen` tasks are scored: the later ones' cells are None (no metric reads
     them; on Split CIFAR-10 and Mini-ImageNet they were 0.0 in every run that scored them)."""
     learner.refresh_serving()  # an evaluation point
+    if learner.head_choice is not None:
+        return evaluate_candidates(learner, data, tasks, seen)
     ncm = memory_ncm(learner)
     out: dict[str, list] = {"head": [], **({"ncm": []} if ncm else {}),
                             **({"trained": []} if learner.ema is not None else {})}
@@ -58,6 +61,18 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | No
         with learner.serving_from(bias=not learner.serving_bias):
             out[other_bias] = [percent_correct(learner.predict_features(f).cpu(), y)
                                for f, (_, y) in zip(features, test_sets)]
+    return {classifier: row + [None] * (len(tasks) - len(row)) for classifier, row in out.items()}
+
+
+def evaluate_candidates(learner, data: ImageDataset, tasks: list[list[int]], seen: int | None = None) -> dict:
+    """Under a measured head choice (`learner.head_choice`): the served answer ("head") and each candidate's
+    (streaming LDA, the trained top, their mean) from one pass, on each task's held-out set."""
+    out = {name: [] for name in ("head", *CANDIDATES)}
+    for classes in tasks[:seen]:
+        x, y = task_test_set(data, classes)
+        probabilities = learner.candidate_probabilities(x)
+        for name in out:
+            out[name].append(percent_correct(probabilities["served" if name == "head" else name].argmax(1), y))
     return {classifier: row + [None] * (len(tasks) - len(row)) for classifier, row in out.items()}
 
 
@@ -198,7 +213,8 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
 def serving_options(args) -> dict:
     """The served head's options as set: what builds the learner and what its result records."""
     return {**({"serving_head": args.serving_head} if args.serving_head else {}),
-            **({"trained_head_from": args.trained_head_from} if args.trained_head_from else {})}
+            **({"trained_head_from": args.trained_head_from} if args.trained_head_from else {}),
+            **({"choose_head": True} if getattr(args, "choose_head", False) else {})}
 
 
 def stream_passes(args, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[list[int]], bool]:
@@ -266,25 +282,35 @@ class AnytimeProbe:
         while self.pending and int(self.counts.min()) >= self.pending[0]:
             t0, cpu0 = time.perf_counter(), time.process_time()
             learner.refresh_serving()
-            accuracy = percent_correct(learner.predict(self.test[0]).cpu(), self.test[1])
-            run.setdefault("anytime", {}).setdefault(str(self.pending.pop(0)), []).append(round(accuracy, 2))
+            point = str(self.pending.pop(0))
+            if learner.head_choice is None:
+                answers = {"anytime": learner.predict(self.test[0])}
+            else:  # the served answer and each candidate's, from one pass
+                probabilities = learner.candidate_probabilities(self.test[0])
+                answers = {"anytime": probabilities.pop("served").argmax(1),
+                           **{f"anytime_{name}": p.argmax(1) for name, p in probabilities.items()}}
+            for key, predicted in answers.items():
+                accuracy = percent_correct(predicted.cpu(), self.test[1])
+                run.setdefault(key, {}).setdefault(point, []).append(round(accuracy, 2))
             self.wall += time.perf_counter() - t0
             self.cpu += time.process_time() - cpu0
 
 
 def anytime_summary(run: dict) -> dict:
-    """Each point's accuracy averaged over the tasks that reached it, and the per-task lists."""
-    by_task = run.get("anytime", {})
-    if not by_task:
-        return {}
-    return {"anytime": {n: round(sum(v) / len(v), 2) for n, v in by_task.items()}, "anytime_by_task": by_task}
+    """Each point's accuracy averaged over the tasks that reached it, and the per-task lists (of the
+    served answer, and under a measured head choice of each candidate: anytime_slda, ...)."""
+    out = {}
+    for key in ("anytime", *(f"anytime_{name}" for name in CANDIDATES)):
+        if by_task := run.get(key, {}):
+            out |= {key: {n: round(sum(v) / len(v), 2) for n, v in by_task.items()}, f"{key}_by_task": by_task}
+    return out
 
 
 def result_record(args, data: ImageDataset, seed: int, device: torch.device, learner, run: dict) -> dict:
     matrix, ncm_matrix, trained = run["matrix"], run["ncm_matrix"], run.get("trained_matrix", [])
     ncm = matrix_summary(ncm_matrix, "_ncm") if len(ncm_matrix) == len(matrix) else {}
     ncm |= matrix_summary(trained, "_trained") if trained and len(trained) == len(matrix) else {}
-    for key in CORRECTED_EVALUATIONS:
+    for key in (*CORRECTED_EVALUATIONS, *CANDIDATES):
         other = run.get(MATRICES[key], [])
         ncm |= matrix_summary(other, f"_{key}") if other and len(other) == len(matrix) else {}
     k, n_c = shapley_settings(args.method, args.dataset, args.k, args.n_candidates)
@@ -299,6 +325,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         **ncm,
         **({"replay_incoming_share": run["replay_share"]} if run["replay_share"] else {}),
         **anytime_summary(run),
+        **({"head_choice": learner.head_choice.summary()} if learner.head_choice is not None else {}),
         "train_seconds": round(run["train_seconds"], 2),
         **({"train_cpu_seconds": round(run["train_cpu_seconds"], 2)} if "train_cpu_seconds" in run else {}),
         **backbone_record(args, data, learner),
@@ -346,7 +373,7 @@ def backbone_record(args, data: ImageDataset, learner) -> dict:
 CORRECTED_EVALUATIONS = ("bn_memory", "bn_average", "bias_memory", "bias_none")
 # evaluation -> run key
 MATRICES = {"head": "matrix", "ncm": "ncm_matrix", "trained": "trained_matrix",
-            **{v: f"{v}_matrix" for v in CORRECTED_EVALUATIONS}}
+            **{v: f"{v}_matrix" for v in (*CORRECTED_EVALUATIONS, *CANDIDATES)}}
 
 
 def record(evaluation: dict[str, list[float]], run: dict) -> None:

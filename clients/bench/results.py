@@ -95,7 +95,8 @@ def run_label(result: dict) -> str:
                      + (f" {backbone['latent_bits']}-bit" if backbone["latent_bits"] != 16 else ""))
     if settings.get("serving_head"):
         modes.append(f"serve {settings['serving_head']}"
-                     + (f" until {settings['trained_head_from']} a class" if settings.get("trained_head_from") else ""))
+                     + (f" until {settings['trained_head_from']} a class" if settings.get("trained_head_from") else "")
+                     + (" or the head measured better" if settings.get("choose_head") else ""))
     if backbone and settings.get("lr", 0.1) != 0.1:
         modes.append(f"lr {settings['lr']:g}")
     if result.get("via"):

@@ -103,6 +103,9 @@ class RunSpec:
         >>> RunSpec("cifar10", "cb-sv-duel", 1000, "joint", "ace", "fp32", 1, extra=(("backbone", "lite0"),
         ...         ("cut", 11), ("serving_head", "slda"), ("trained_head_from", 1000))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut11-serveslda-from1000-m1000-seed1.json'
+        >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
+        ...         ("cut", 11), ("serving_head", "slda"), ("choose_head", True))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-serveslda-chosen-m1000-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -138,6 +141,8 @@ class RunSpec:
             parts.append(f"serve{extra['serving_head']}")
         if "trained_head_from" in extra:
             parts.append(f"from{extra['trained_head_from']}")
+        if extra.get("choose_head"):
+            parts.append("chosen")
         if "lr" in extra:
             parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:

@@ -1,0 +1,111 @@
+"""Which head answers, as the stream measures it: a prequential choice, class by class.
+
+Every incoming batch is answered by each candidate head before the learner trains on it (test, then
+train: the stream is the test set): streaming LDA on the frozen features ("slda"), the top trained by
+replay from ASER's memory ("top"), and the mean of their probabilities ("mix"). Each candidate's hits
+are kept over the last WINDOW samples of each class. A class is answered by the candidate measured
+best on it, once that candidate leads the one answering by at least MARGIN over at least MIN_SCORED
+of the class's recent samples (hysteresis: a lead inside the noise moves nothing); until then, while
+the class is young, streaming LDA answers it. The served probabilities are, for each class, those of
+its head, renormalised (`compose`); where every class has the same head they are that head's.
+
+In a class-incremental stream the incoming samples are the newest classes': a class keeps the choice
+measured while it was last seen.
+
+>>> import torch
+>>> choice = HeadChoice(window=4, min_scored=2, margin=0.25)
+>>> sure = lambda c: torch.nn.functional.one_hot(torch.tensor(c), 2).float()  # rows of probabilities
+>>> for _ in range(2):  # class 1: the top answers right, streaming LDA wrong
+...     choice.score({"slda": sure([0]), "top": sure([1]), "mix": sure([1])}, torch.tensor([1]))
+>>> choice.head_of(0), choice.head_of(1)
+('slda', 'top')
+>>> choice.compose({"slda": torch.tensor([[0.6, 0.4]]), "top": torch.tensor([[0.9, 0.1]]),
+...                 "mix": torch.tensor([[0.75, 0.25]])})  # class 0's from slda, class 1's from the top
+tensor([[0.8571, 0.1429]])
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+CANDIDATES = ("slda", "top", "mix")
+STREAMING = "slda"  # what answers a class until another head is measured better on it
+WINDOW = 200  # a class's recent samples over which each candidate's hits count
+MIN_SCORED = 50  # of them, how many a head needs before it can take a class
+MARGIN = 0.03  # the lead a challenger needs over the head answering a class
+
+
+class HeadChoice:
+    def __init__(self, window: int = WINDOW, min_scored: int = MIN_SCORED, margin: float = MARGIN):
+        self.window, self.min_scored, self.margin = window, min_scored, margin
+        self.hits: dict[str, dict[int, deque[bool]]] = {h: {} for h in (*CANDIDATES, "served")}
+        self.chosen: dict[int, str] = {}
+
+    def head_of(self, class_id: int) -> str:
+        return self.chosen.get(class_id, STREAMING)
+
+    def score(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        """Count one batch answered before its step: each candidate's probabilities [n, classes] of
+        samples of classes the heads have seen; then each class in it is chosen again."""
+        served = self.compose(probabilities)
+        labels = labels.cpu().tolist()
+        for head, p in (*probabilities.items(), ("served", served)):
+            for label, guess in zip(labels, p.argmax(1).cpu().tolist()):
+                self.hits[head].setdefault(label, deque(maxlen=self.window)).append(guess == label)
+        for label in set(labels):
+            self._choose(label)
+
+    def _choose(self, class_id: int) -> None:
+        current = self.head_of(class_id)
+        rates = {h: self.accuracy(h, class_id) for h in CANDIDATES}
+        best = max(CANDIDATES, key=lambda h: rates[h] if rates[h] is not None else -1.0)
+        if rates[best] is not None and rates[current] is not None and rates[best] >= rates[current] + self.margin:
+            self.chosen[class_id] = best
+
+    def accuracy(self, head: str, class_id: int) -> float | None:
+        """`head`'s share of right answers over the class's recent samples; None below MIN_SCORED."""
+        hits = self.hits[head].get(class_id, ())
+        return sum(hits) / len(hits) if len(hits) >= self.min_scored else None
+
+    def choice(self, num_classes: int) -> torch.Tensor:
+        """Each class's head, as an index into CANDIDATES."""
+        return torch.tensor([CANDIDATES.index(self.head_of(c)) for c in range(num_classes)], dtype=torch.long)
+
+    def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The served probabilities: each class's from its head, renormalised."""
+        return compose(torch.stack([probabilities[h] for h in CANDIDATES]), self.choice(probabilities[STREAMING].shape[1]))
+
+    def summary(self) -> dict:
+        """Each head's share of right answers over the classes' recent samples, overall and per class, and
+        which head answers each class."""
+        overall = {}
+        for head, by_class in self.hits.items():
+            hits = [h for recent in by_class.values() for h in recent]
+            overall[head] = round(sum(hits) / len(hits), 4) if hits else None
+        per_class = {c: {"head": self.head_of(c), **{h: self.accuracy(h, c) for h in CANDIDATES}}
+                     for c in sorted(self.hits["served"])}
+        return {"window_accuracy": overall, "classes": per_class}
+
+    def forget(self, class_id: int) -> None:
+        for by_class in self.hits.values():
+            by_class.pop(class_id, None)
+        self.chosen.pop(class_id, None)
+
+    def state_dict(self) -> dict:
+        return {"hits": {h: {c: list(d) for c, d in by_class.items()} for h, by_class in self.hits.items()},
+                "chosen": dict(self.chosen)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.hits = {h: {int(c): deque(d, maxlen=self.window) for c, d in state["hits"].get(h, {}).items()}
+                     for h in (*CANDIDATES, "served")}
+        self.chosen = {int(c): h for c, h in state["chosen"].items()}
+
+
+def compose(stacked: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """Candidates' probabilities [heads, n, classes] and each class's head [classes] -> the served
+    probabilities [n, classes]: class c's column from head choice[c], rows renormalised. Written
+    with tensor operations only, so that an ONNX snapshot exports it as it is."""
+    picked = torch.gather(stacked, 0, choice.to(stacked.device).view(1, 1, -1).expand(1, *stacked.shape[1:]))[0]
+    return picked / picked.sum(1, keepdim=True).clamp_min(1e-30)
