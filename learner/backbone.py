@@ -206,10 +206,11 @@ class PretrainedBackbone:
             return net.features  # the identity: nothing a step changes
         return copy.deepcopy(net).eval().requires_grad_(False).features
 
-    def pixel_module(self, net: nn.Module | None) -> nn.Module:
+    def pixel_module(self, net: nn.Module | None, frozen_too: bool = False) -> nn.Module:
         """uint8 pixels -> the features `net` (a top) reads from the stored latents, or with no
-        `net` the frozen network's own pooled features (what the streaming heads read), as one module."""
-        return LatentPixelFeatures(self.frozen, self.cut, self.latent_bits, net)
+        `net` the frozen network's own pooled features (what the streaming heads read), as one module;
+        `frozen_too`: both, (the top's, the frozen network's), from one pass of the frozen part."""
+        return LatentPixelFeatures(self.frozen, self.cut, self.latent_bits, net, frozen_too)
 
     @torch.no_grad()
     def frozen_features(self, stored: torch.Tensor) -> torch.Tensor:
@@ -240,13 +241,15 @@ class LatentPixelFeatures(nn.Module):
     """uint8 pixels -> the frozen part -> the latent as stored (its rounding too) -> the top's
     features (or the frozen network's): the path a stored sample takes, from pixels."""
 
-    def __init__(self, frozen, cut: int, latent_bits: int, top: nn.Module | None):
+    def __init__(self, frozen, cut: int, latent_bits: int, top: nn.Module | None, frozen_too: bool = False):
         super().__init__()
-        self.frozen, self.cut, self.latent_bits, self.top = frozen, cut, latent_bits, top
+        self.frozen, self.cut, self.latent_bits, self.top, self.frozen_too = frozen, cut, latent_bits, top, frozen_too
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor):
         x = dequantise(quantise(self.frozen.lower(pixels, self.cut), self.latent_bits), self.latent_bits)
-        return self.top.features(x) if self.top is not None else self.frozen.upper(x, self.cut)
+        if self.top is None:
+            return self.frozen.upper(x, self.cut)
+        return (self.top.features(x), self.frozen.upper(x, self.cut)) if self.frozen_too else self.top.features(x)
 
 
 def make_backbone(name: str, image_shape: tuple[int, int, int] = (3, 32, 32), input_size: int = 128,

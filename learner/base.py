@@ -110,14 +110,16 @@ class ContinualLearner(Serving, HeadClasses):
         self._folded = None  # (version, {(id of the net, dtype): folded f_ext}) for inference
 
     # --- the step ----------------------------------------------------------------------
-    def observe(self, images: torch.Tensor, labels: torch.Tensor, lean: bool = False) -> dict:
+    def observe(self, images: torch.Tensor, labels: torch.Tensor, lean: bool = False,
+                encoded: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict:
         """Learn from one incoming mini-batch B_n (seen once). Returns step statistics.
 
         `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation, the
         memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
-        the stream gets a step."""
+        the stream gets a step. `encoded`: the batch's `encode_incoming`, where the caller has it."""
         pixels = images.to(self.device)
-        (images, frozen), labels = self._encode_incoming(pixels), labels.to(self.device, torch.long)
+        images, frozen = encoded if encoded is not None else self.encode_incoming(pixels)
+        labels = labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         if self.head_choice is not None:
             self._score_heads(images, frozen, labels)
@@ -131,9 +133,9 @@ class ContinualLearner(Serving, HeadClasses):
         self.samples_seen += images.shape[0]
         return stats
 
-    def _encode_incoming(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode_incoming(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Incoming images -> their stored form, and the frozen features a streaming head reads (one
-        frozen pass for both), or None without one."""
+        frozen pass for both), or None without one. What `observe` and a service's predictions start from."""
         if self.stream_head is None:
             return self.encode(pixels), None
         return self.backbone.encode_with_features(pixels)
@@ -166,7 +168,7 @@ class ContinualLearner(Serving, HeadClasses):
         a skipped sample among as many candidates as a trained one); `lean`: through the update's
         lean form, as a lean step would. A learner without a memory only counts them."""
         pixels = images.to(self.device)
-        (images, frozen), labels = self._encode_incoming(pixels), labels.to(self.device, torch.long)
+        (images, frozen), labels = self.encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         self._update_stream_head(frozen, labels)
         step = batch_size or labels.numel()

@@ -23,7 +23,7 @@ class Serving:
     def streams(self) -> bool:
         """Whether the streaming head serves now: always, or with `trained_head_from` while some class
         seen (and not forgotten) has fewer samples than that; the trained head answers otherwise."""
-        if self.stream_head is None:
+        if self.stream_head is None or self.head_choice is not None:  # a measured choice: `served_choice`
             return False
         if self.trained_head_from is None:
             return True
@@ -40,21 +40,33 @@ class Serving:
         """The frozen network's pooled features of images (or stored latents): what a streaming head reads."""
         return self.backbone.encode_with_features(images)[1]
 
-    def pixel_features(self):
-        """uint8 pixels [n, 3, H, W] -> the features the served head reads, as a function that later
-        steps do not change (what a service's predictions run between steps); `served_head` goes with it."""
+    def encoded_features(self):
+        """(stored, frozen features) of images (`encode_incoming`) -> the features the served head reads,
+        as a function that later steps do not change (what a service's predictions run between steps);
+        `served_head` goes with it."""
         if self.streams:
-            return self.frozen_features  # no trained weights on this path
+            return lambda stored, frozen: frozen  # no trained weights on this path
         features = self.inference_features(self.autocast_dtype)
-        return lambda images: features(self.to_input(self.encode(images)))
+        return lambda stored, frozen: features(self.to_input(stored))
 
     def served_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The served linear head over class ids 0..num_classes-1 (weight, bias): the serving weights'
-        head, or the streaming head as solved now, where a class it has not seen (or forgot) gets a
-        zero row and a bias no logit reaches."""
+        head, or the streaming head as solved now (`stream_head_rows`)."""
         if not self.streams:
             head = self.serving_model.head
             return head.weight.detach(), head.bias.detach()
+        return self.stream_head_rows()
+
+    def served_choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Under a measured choice (`learner.head_choice`): streaming LDA's rows (`stream_head_rows`) and each
+        class's head, which `served_head` (the top's) joins; None otherwise."""
+        if self.head_choice is None:
+            return None
+        return (*self.stream_head_rows(), self.head_choice.choice(self.num_classes))
+
+    def stream_head_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streaming head as solved now, over class ids 0..num_classes-1: a class it has not seen (or
+        forgot) gets a zero row and a bias no logit reaches."""
         solved = self.solved_head()
         weight = torch.zeros(self.num_classes, solved.weight.shape[1], device=self.device)
         bias = torch.full((self.num_classes,), UNSEEN_LOGIT, device=self.device)

@@ -115,8 +115,9 @@ class Lineage:
         """What the combination allows (the method alone and the tokens are `Settings.check_learner`'s)."""
         if self.distill and not self.ema:
             raise ValueError("ASER_DISTILL needs a moving average to teach: set ASER_EMA")
-        if self.backbone == "scratch" and self.head == "slda":
-            raise ValueError("ASER_HEAD=slda reads a pretrained network's frozen features: set ASER_BACKBONE=lite0")
+        if self.backbone == "scratch" and self.head in ("slda", "chosen"):
+            raise ValueError(f"ASER_HEAD={self.head} reads a pretrained network's frozen features: set "
+                             "ASER_BACKBONE=lite0")
         if self.latent_bits not in (8, 16) or (self.latent_bits == 8 and self.cut != POOLED):
             raise ValueError(f"ASER_LATENT_BITS is 16, or 8 at the pooled cut (ASER_CUT={POOLED}); got "
                              f"{self.latent_bits} at cut {self.cut}")
@@ -217,8 +218,8 @@ def make_learner_of(lineage: Lineage, settings: Settings, device: str):
                         **lineage.stronger_learner(), device=device, seed=settings.seed, image_shape=shape,
                         latent_dtype=torch.bfloat16 if settings.latent_bf16 else None, serving_bn=settings.serving_bn,
                         serving_bias=lineage.serving_bias, backbone=backbone,
-                        serving_head="slda" if lineage.head == "slda" else None,
-                        trained_head_from=trained_head_from(lineage, settings))
+                        serving_head="slda" if lineage.head in ("slda", "chosen") else None,
+                        trained_head_from=trained_head_from(lineage, settings), choose_head=lineage.head == "chosen")
 
 
 def trained_head_from(lineage: Lineage, settings: Settings) -> int | None:

@@ -62,11 +62,11 @@ class OnlineAccuracy:
             self.class_correct[label] = self.class_correct.get(label, 0) + hit
             self.class_scored[label] = self.class_scored.get(label, 0) + 1
 
-    def score_batch(self, predictor, images, labels: Sequence[int]) -> None:
+    def score_batch(self, predictor, encoded, labels: Sequence[int]) -> None:
         """Test-then-train: `predictor` (a `service.serving.Predictor`, the model about to step) answers
-        the batch before it trains on it."""
+        the batch, as the learner encoded it for its step (`encode_incoming`), before it trains on it."""
         known = len(predictor.classes)
-        predicted = predictor.probabilities(images).argmax(1).tolist() if known else [-1] * len(labels)
+        predicted = predictor.probabilities_encoded(*encoded).argmax(1).tolist() if known else [-1] * len(labels)
         self.score(predicted, labels, known)
 
     @property

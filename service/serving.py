@@ -3,9 +3,9 @@ immutable inference model) and a copy of the replay memory (`Published`), kept u
 by the `Publisher` (the served copy's corrections on the memory, the NCM head, the version lease).
 
 A predictor takes uint8 pixels to class probabilities through the learner's served path
-(`ContinualLearner.pixel_features` and `served_head`): the folded network from scratch; on the
-pretrained backbone the frozen part, the latent as stored and the top's features, or the frozen
-features under streaming LDA. Training never changes one already published.
+(`ContinualLearner.encode_incoming`, `encoded_features` and `served_head`): the folded network from scratch; on
+the pretrained backbone the frozen part (once, in onnxruntime), the latent as stored and the top's features, or the
+frozen features under streaming LDA, or both under a measured choice of head (`served_choice`). Training never changes one already published.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.base import ContinualLearner
+from learner.head_choice import compose
 from learner.ncm import ncm_head
 
 from .checkpoints import VersionLease
@@ -29,7 +30,8 @@ log = logging.getLogger("aser.worker")
 class Predictor:
     """An immutable inference model and the progress it stands for."""
 
-    features: object  # uint8 pixels -> the features the head reads
+    encode: object  # uint8 pixels -> (stored form, frozen features or None): the frozen part, run once
+    features: object  # (stored form, frozen features) -> the features the head reads
     head_weight: torch.Tensor
     head_bias: torch.Tensor
     classes: tuple[str | None, ...]  # by class id; None: forgotten
@@ -43,6 +45,11 @@ class Predictor:
     lean_steps: int = 0
     normalize: bool = False  # the head takes unit-norm features (the NCM head)
     streams: bool = False  # a streaming head on the frozen features answers (`ContinualLearner.streams`)
+    # under a measured choice (`ContinualLearner.served_choice`): streaming LDA's rows on the frozen features, each
+    # class's head (`learner.head_choice.CANDIDATES`) and what the stream measured of each (`HeadChoice.summary`)
+    stream_head: tuple[torch.Tensor, torch.Tensor] | None = None
+    choice: torch.Tensor | None = None
+    choice_summary: dict | None = None
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
@@ -51,15 +58,21 @@ class Predictor:
         weight, bias = ncm if ncm is not None else learner.served_head()
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), weight.shape[0])
-        return cls(learner.pixel_features(), weight.detach()[:n].clone(), bias.detach()[:n].clone(),
-                   tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen, trained_upto,
-                   learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps, learner.lean_steps,
-                   normalize=ncm is not None, streams=ncm is None and learner.streams)
+        chosen = learner.served_choice() if ncm is None else None
+        return cls(learner.encode_incoming, learner.encoded_features(), weight.detach()[:n].clone(),
+                   bias.detach()[:n].clone(), tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen,
+                   trained_upto, learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps,
+                   learner.lean_steps, normalize=ncm is not None, streams=ncm is None and learner.streams,
+                   stream_head=None if chosen is None else (chosen[0][:n].clone(), chosen[1][:n].clone()),
+                   choice=None if chosen is None else chosen[2][:n].clone(),
+                   choice_summary=None if chosen is None else learner.head_choice.summary())
 
     @property
     def head_name(self) -> str:
-        """The head answering: slda (streaming LDA on the frozen features), ncm or softmax (the trained one)."""
-        return "slda" if self.streams else "ncm" if self.normalize else "softmax"
+        """The head answering: slda (streaming LDA on the frozen features), ncm, softmax (the trained one),
+        or chosen (each class by the head the stream measured best on it)."""
+        return "chosen" if self.choice is not None else "slda" if self.streams else "ncm" if self.normalize \
+            else "softmax"
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -72,11 +85,21 @@ class Predictor:
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         """Class probabilities of uint8 images [n, 3, H, W], on the CPU whatever device the model is on."""
         with torch.inference_mode():
-            features = self.features(images.to(self.head_weight.device)).float()
+            return self.probabilities_encoded(*self.encode(images.to(self.head_weight.device)))
+
+    def probabilities_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
+        """`probabilities` of images already through `encode` (the learner's own step encodes once)."""
+        with torch.inference_mode():
+            features = self.features(stored, frozen).float()
             if self.normalize:
                 features = torch.nn.functional.normalize(features, dim=1)
-            logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
-            return torch.softmax(logits, dim=1).cpu()
+            probabilities = torch.softmax(torch.nn.functional.linear(features, self.head_weight, self.head_bias), 1)
+            if self.choice is not None:
+                streaming = torch.softmax(torch.nn.functional.linear(frozen.to(self.head_weight.device).float(),
+                                                                     *self.stream_head), 1)
+                candidates = torch.stack([streaming, probabilities, (streaming + probabilities) / 2])
+                probabilities = compose(candidates, self.choice)
+            return probabilities.cpu()
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,11 @@ class Settings(BaseSettings):
     serving_refresh_steps: int = Field(50, ge=1, description="with ASER_SERVING_BN=memory or ASER_SERVING_BIAS: "
                                        "correct a copy of the served weights on the memory every N steps (and when "
                                        "the memory's classes change); predictions are that many steps old at most")
-    head: Literal["softmax", "ncm", "slda"] | None = Field(None, description="what predictions and snapshots answer "
-                                                         "with: the trained softmax head, nearest class mean on the "
-                                                         "memory's features, or (lite0) streaming LDA on the frozen "
-                                                         "features, which every sample reaches (unset: softmax from "
-                                                         "scratch, slda on lite0)")
+    head: Literal["softmax", "ncm", "slda", "chosen"] | None = Field(
+        None, description="what predictions and snapshots answer with: the trained softmax head, nearest class mean "
+        "on the memory's features, (lite0) streaming LDA on the frozen features, which every sample reaches, or "
+        "(lite0) chosen: each class by the head the stream measures best on it, streaming LDA, the trained top or "
+        "their mean (learner.head_choice) (unset: softmax from scratch, slda on lite0)")
     trained_head_from: int | None = Field(None, ge=1, description="with ASER_HEAD=slda: the trained head serves "
                                           "(and snapshots export it) once every class seen has this many samples, "
                                           "streaming LDA while any is younger (unset: streaming LDA always)")

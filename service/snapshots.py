@@ -33,6 +33,7 @@ from torch import nn
 
 from learner.backbone import ScratchBackbone, backbone_of
 from learner.base import ContinualLearner
+from learner.head_choice import CANDIDATES, compose
 from learner.snapshot_format import INPUT_NAME, OUTPUT_NAME, metadata_props
 
 from . import __version__
@@ -49,27 +50,46 @@ class PixelsToLogits(nn.Module):
     network; on the pretrained backbone the frozen part, the latent as stored and the top (or, with
     `frozen_features`, the frozen network's own features, which a streaming head reads). The head is
     the model's own or a given one (`head`: weight, bias), on unit-norm features with `normalize`
-    (the memory's class means, `learner.ncm.ncm_head`)."""
+    (the memory's class means, `learner.ncm.ncm_head`). With `stream_head` and `choice` (a measured
+    choice, `learner.head_choice`): the frozen part once, the top's head and streaming LDA's on the
+    frozen features, each class's probability from its head, renormalised; the logits are their logarithms."""
 
     def __init__(self, model: nn.Module, rows: list[int], head: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 normalize: bool = False, backbone=None, frozen_features: bool = False):
+                 normalize: bool = False, backbone=None, frozen_features: bool = False,
+                 stream_head: tuple[torch.Tensor, torch.Tensor] | None = None, choice: list[int] | None = None):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
         weight, bias = head if head is not None else (net.head.weight, net.head.bias)
-        layer = nn.Linear(weight.shape[1], len(rows))
-        with torch.no_grad():
-            layer.weight.copy_(weight[rows])
-            layer.bias.copy_(bias[rows])
+        self.head = _rows(weight, bias, rows)
         net.head = nn.Identity()
         backbone = backbone or ScratchBackbone((3, net.input_size, net.input_size))
         self.input_size = backbone.input_size
-        self.features = backbone.pixel_module(None if frozen_features else net)
-        self.head, self.normalize = layer, normalize
+        self.chooses = choice is not None
+        if self.chooses:
+            self.features = backbone.pixel_module(net, frozen_too=True)
+            self.stream_head = _rows(*stream_head, rows)
+            self.register_buffer("choice", torch.tensor([choice[r] for r in rows], dtype=torch.long))
+        else:
+            self.features = backbone.pixel_module(None if frozen_features else net)
+        self.normalize = normalize
         self.eval()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.chooses:
+            top, frozen = self.features(pixels)
+            trained, streaming = torch.softmax(self.head(top), 1), torch.softmax(self.stream_head(frozen), 1)
+            served = compose(torch.stack([streaming, trained, (streaming + trained) / 2]), self.choice)
+            return served.clamp_min(1e-30).log()
         features = self.features(pixels)
         return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features)
+
+
+def _rows(weight: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], len(rows))
+    with torch.no_grad():
+        layer.weight.copy_(weight[rows])
+        layer.bias.copy_(bias[rows])
+    return layer
 
 
 def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: dict) -> None:
@@ -99,6 +119,8 @@ class ExportJob:
     head: tuple[torch.Tensor, torch.Tensor] | None = None  # the served head (None: the model's own)
     normalize: bool = False  # the head takes unit-norm features
     frozen_features: bool = False  # the head reads the frozen network's features (a streaming head)
+    stream_head: tuple[torch.Tensor, torch.Tensor] | None = None  # a measured choice: streaming LDA's head...
+    choice: list[int] | None = None  # ... and each class's head (`learner.head_choice.CANDIDATES`)
     calibration: np.ndarray | None = None  # uint8 recent images: also an int8 variant (`quantise_snapshot`)
     min_agreement: float = 1.0  # ... kept when its top-1 agrees with the fp32 graph on this share of them
 
@@ -109,8 +131,8 @@ def run_export(job: ExportJob) -> dict:
     backbone = backbone_of(job.backbone, (3, job.image_size, job.image_size))
     model = backbone.make_model(job.weights["head.weight"].shape[0], seed=0)
     model.load_state_dict(job.weights)
-    export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize, backbone, job.frozen_features),
-                job.classes, job.path, job.metadata)
+    export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize, backbone, job.frozen_features,
+                               job.stream_head, job.choice), job.classes, job.path, job.metadata)
     done = {"size": job.path.stat().st_size, "int8": None}
     if job.calibration is not None:
         int8 = int8_path(job.path)
@@ -258,11 +280,13 @@ class SnapshotStore:
 
     def submit(self, learner: ContinualLearner, classes: list[str | None], version: int, steps: int, samples: int,
                reason: str, head: tuple[torch.Tensor, torch.Tensor] | None = None, head_name: str = "softmax",
-               calibration: np.ndarray | None = None, min_agreement: float = 1.0) -> Future:
+               calibration: np.ndarray | None = None, min_agreement: float = 1.0,
+               chosen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Future:
         """Queue an export of `learner`'s served network as it is now (the weights are copied here,
         between steps), with the head rows of `classes` that are not None (forgotten) of `head` (the
         served head; None: the network's own), and with `calibration` images an int8 variant kept
-        where it agrees (`run_export`); the future gives the snapshot's row, or raises SnapshotFailed."""
+        where it agrees (`run_export`); with `chosen` (streaming LDA's weight and bias, each class's head) the
+        measured choice beside `head`; the future gives the snapshot's row, or raises SnapshotFailed."""
         rows = [i for i, label in enumerate(classes) if label is not None]
         model = learner.serving_model
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
@@ -272,10 +296,14 @@ class SnapshotStore:
                 "backbone": learner.backbone.name, "head": head_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                 "service_version": __version__}
         head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
+        if chosen is not None:  # which head answers each class, by label, in the metadata too
+            meta["head_choice"] = {classes[i]: CANDIDATES[int(chosen[2][i])] for i in rows}
         job = ExportJob(weights, learner.backbone.identity(), learner.image_shape[1], [classes[i] for i in rows], rows,
                         self.directory / name, meta, head, normalize=head_name == "ncm",
                         frozen_features=head_name == "slda", calibration=calibration,
-                        min_agreement=min_agreement)
+                        min_agreement=min_agreement,
+                        stream_head=None if chosen is None else tuple(t.detach().to("cpu", copy=True) for t in chosen[:2]),
+                        choice=None if chosen is None else chosen[2].tolist())
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 

@@ -204,8 +204,9 @@ class LearnerWorker:
         t0 = time.perf_counter()
         images = images_from_blobs([e.image for e in entries], self.image_shape)
         labels = [e.class_id for e in entries]
-        self.online.score_batch(self.predictor, images, labels)  # test-then-train: the model about to step
-        stats = self.learner.observe(images, torch.tensor(labels), lean=lean)
+        encoded = self.learner.encode_incoming(images.to(self.learner.device))  # the frozen part once, for both
+        self.online.score_batch(self.predictor, encoded, labels)  # test-then-train: the model about to step
+        stats = self.learner.observe(images, torch.tensor(labels), lean=lean, encoded=encoded)
         self.last_step_seconds = time.perf_counter() - t0
         self.trained_upto = entries[-1].seq
         self.consistent = True

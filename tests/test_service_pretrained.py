@@ -7,6 +7,7 @@ mixed."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -207,3 +208,41 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
     assert r.status_code == 201, r.text
     assert wait_trained(server, st["samples_received"] + 1, timeout=600)["serving_head"] == "slda"
     del server.env["ASER_TRAINED_HEAD_FROM"]
+
+
+def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(server, photos):
+    """ASER_HEAD=chosen: each head is scored on every batch before its step; /status gives what each
+    measured and which answers each class; the snapshot exports that answer and says so."""
+    from clients.onnx_client import OnnxClassifier
+    from service.settings import Settings
+
+    with pytest.raises(ValueError, match="ASER_HEAD=chosen"):
+        Settings(backbone="scratch", head="chosen").check_learner()
+    server.stop()
+    server.env["ASER_HEAD"] = "chosen"
+    server.start()
+    received = status(server)["samples_received"]
+    for label in ("cat", "coffee"):  # classes the heads know: scored before the step
+        train, _ = photos[label]
+        files = [("image", (f"{label}-again{i}.jpg", shot, "image/jpeg")) for i, shot in enumerate(train[:5])]
+        r = httpx.post(f"{server.url}/samples", files=files, data={"label": [label] * 5}, timeout=60)
+        assert r.status_code == 201, r.text
+    st = wait_trained(server, received + 10, timeout=600)
+    assert st["serving_head"] == "chosen" and st["config"]["head"] == "chosen"
+    measured = st["head_choice"]
+    assert set(measured["window_accuracy"]) == {"slda", "top", "mix", "served"}
+    assert 0 <= measured["window_accuracy"]["slda"] <= 1 and {"cat", "coffee"} <= set(measured["classes"])
+    # too few samples to measure a class yet: streaming LDA answers every one
+    assert all(c["head"] == "slda" and c["top"] is None for c in measured["classes"].values())
+
+    r = httpx.post(f"{server.url}/snapshots", timeout=300)
+    assert r.status_code == 201, r.text
+    clf = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{r.json()['id']}").content)
+    assert clf.metadata["head"] == "chosen"
+    assert json.loads(clf.metadata["head_choice"]) == {label: "slda" for label in clf.labels}
+    _, images = held_out(photos)
+    ours = predict(server, images, k=1)["results"]
+    theirs = clf.predict([io.BytesIO(i) for i in images], k=1)
+    assert [t[0]["label"] for t in theirs] == [m[0]["label"] for m in ours]
+    assert np.allclose([t[0]["probability"] for t in theirs], [m[0]["probability"] for m in ours], atol=1e-3)
+    del server.env["ASER_HEAD"]

@@ -98,7 +98,12 @@ class Status(BaseModel):
     serving_current: bool = Field(description="the served model carries the corrections of the learner's latest "
                                   "step (false for a moment after training, until the idle worker refits them)")
     serving_head: str = Field(description="the head answering now: slda (streaming LDA on the frozen features), "
-                              "softmax (the trained head) or ncm; with ASER_TRAINED_HEAD_FROM it changes as classes grow")
+                              "softmax (the trained head), ncm, or chosen (ASER_HEAD=chosen: each class by its head "
+                              "in head_choice); with ASER_TRAINED_HEAD_FROM it changes as classes grow")
+    head_choice: dict | None = Field(None, description="with ASER_HEAD=chosen: each candidate head's share of right "
+                                     "answers over the classes' recent samples, scored before each step "
+                                     "(window_accuracy: slda, top, mix and the served answer), and per class the "
+                                     "head answering it and each candidate's share (null below its minimum count)")
     last_step_ms: float
     method: str
     config: dict[str, bool | int | float | str]
@@ -131,6 +136,10 @@ def status(rt: Runtime) -> dict:
         "steps": p.steps,
         "serving_current": published.current,
         "serving_head": p.head_name,
+        "head_choice": None if p.choice_summary is None else {
+            "window_accuracy": p.choice_summary["window_accuracy"],
+            "classes": {classes[c]: v for c, v in p.choice_summary["classes"].items()
+                        if c < len(classes) and classes[c] is not None}},
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
         "method": lineage.method,
         "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "k", "n_candidates",

@@ -1,0 +1,103 @@
+"""The stream chooses which head answers (`learner.head_choice`, ASER_HEAD=chosen): each candidate head is
+scored on every incoming batch before the learner trains on it, and the served answer takes each class
+from its head, alike in the learner, in the service's predictor and in the ONNX snapshot, and after a
+resume. Real weights, real CIFAR-10 images."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from learner import make_learner
+from learner.backbone import PretrainedBackbone
+from learner.head_choice import CANDIDATES, compose
+from service.serving import Predictor
+from service.snapshots import PixelsToLogits, export_onnx
+
+
+def chosen_learner(cut: int = 12, seed: int = 0):
+    backbone = PretrainedBackbone(input_size=64, cut=cut)
+    return make_learner("cb-sv-duel", 4, mem_size=30, loss="ace", ema_decay=0.99, backbone=backbone, seed=seed,
+                        lr=0.01, serving_head="slda", choose_head=True)
+
+
+@pytest.fixture(scope="module")
+def stream(cifar10_slice):
+    """Twelve batches of ten CIFAR-10 training images over four classes, and 40 test images of them."""
+    keep = torch.nonzero(cifar10_slice.train_y < 4).flatten()
+    pick = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(1))[:120]]
+    x, y = cifar10_slice.train_x[pick], cifar10_slice.train_y[pick]
+    test = cifar10_slice.test_x[torch.nonzero(cifar10_slice.test_y < 4).flatten()[:40]]
+    # at the input size, as the service's input rule gives images to the learner and to a snapshot
+    test = torch.nn.functional.interpolate(test.float(), size=64, mode="bilinear").round().to(torch.uint8)
+    return list(zip(x.split(10), y.split(10))), test
+
+
+def test_each_head_answers_every_batch_before_the_learner_trains_on_it(stream):
+    batches, _ = stream
+    learner = chosen_learner()
+    learner.observe(*batches[0])  # classes no head has seen: nothing to score
+    assert all(not by_class for by_class in learner.head_choice.hits.values())
+    for x, y in batches[1:4]:
+        before = copy.deepcopy(learner)  # the learner about to step
+        expected = before.head_probabilities(*before.encode_incoming(x))
+        seen = torch.isin(y, torch.tensor(before.stream_head.classes()))
+        hits_before = {h: {c: list(d) for c, d in by_class.items()} for h, by_class in learner.head_choice.hits.items()}
+        learner.observe(x, y)
+        for head in CANDIDATES:
+            right = (expected[head].argmax(1) == y)[seen].tolist()
+            for label in y[seen].unique().tolist():
+                new = list(learner.head_choice.hits[head][label])[len(hits_before[head].get(label, [])):]
+                assert new == [r for r, l in zip(right, y[seen].tolist()) if l == label]
+
+
+def test_each_class_is_answered_by_its_head_in_the_learner_the_predictor_and_the_snapshot(stream, tmp_path):
+    batches, test = stream
+    learner = chosen_learner()
+    for x, y in batches:
+        learner.observe(x, y)
+    learner.head_choice.chosen = {0: "top", 1: "mix"}  # as a stream that measured those better would have
+    choice = learner.head_choice.choice(learner.num_classes)
+    assert choice.tolist() == [CANDIDATES.index(h) for h in ("top", "mix", "slda", "slda")]
+
+    probabilities = learner.head_probabilities(*learner.encode_incoming(test))
+    expected = compose(torch.stack([probabilities[h] for h in CANDIDATES]), choice)
+    assert torch.allclose(expected.sum(1), torch.ones(len(test)), atol=1e-5)
+    assert torch.allclose(torch.softmax(learner.logits(test), 1), expected, atol=1e-5)
+
+    predictor = Predictor.from_learner(learner, ["a", "b", "c", "d"], trained_upto=0)
+    assert predictor.head_name == "chosen" and predictor.choice_summary["classes"][0]["head"] == "top"
+    assert torch.allclose(predictor.probabilities(test), expected, atol=1e-4)
+
+    weight, bias, served_choice = learner.served_choice()
+    net = PixelsToLogits(learner.serving_model, [0, 1, 2, 3], learner.served_head(), backbone=learner.backbone,
+                         stream_head=(weight, bias), choice=served_choice.tolist())
+    path = tmp_path / "chosen.onnx"
+    export_onnx(net, ["a", "b", "c", "d"], path, {"head": "chosen"})
+    logits = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})[0]
+    assert np.allclose(torch.softmax(torch.from_numpy(logits), 1).numpy(), expected.numpy(), atol=1e-3)
+
+
+def test_a_resumed_learner_keeps_the_measured_choice_and_answers_alike(stream):
+    batches, test = stream
+    learner = chosen_learner()
+    for x, y in batches[:8]:
+        learner.observe(x, y)
+    learner.head_choice.chosen[2] = "top"
+    resumed = chosen_learner()
+    resumed.load_state_dict(learner.state_dict())
+    assert resumed.head_choice.state_dict() == learner.head_choice.state_dict()
+    for x, y in batches[8:]:
+        learner.observe(x, y)
+        resumed.observe(x, y)
+    assert resumed.head_choice.state_dict() == learner.head_choice.state_dict()
+    assert torch.equal(resumed.logits(test), learner.logits(test))
+
+
+def test_a_measured_choice_needs_the_streaming_head():
+    with pytest.raises(ValueError, match="choose_head"):
+        make_learner("cb-sv-duel", 4, backbone=PretrainedBackbone(input_size=64), choose_head=True)
