@@ -157,6 +157,20 @@ function memoryBars(st) {
   if (labels.includes(current)) select.value = current;
 }
 
+function servingHead(st) {
+  // ASER_HEAD=chosen: each head's share of right answers over the classes' recent samples, scored before
+  // each step, and the head answering each class (streaming LDA until another is measured better on it)
+  const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
+  const choice = st.head_choice;
+  const overall = choice ? " · " + ["served", "slda", "top", "mix"].map((h) => `${h} ${pct(choice.window_accuracy[h])}`)
+    .join(", ") : "";
+  $("head-name").textContent = st.serving_head + overall;
+  $("head-choice").hidden = !choice;
+  $("head-choice").querySelector("tbody").innerHTML = !choice ? "" : Object.entries(choice.classes).map(([label, c]) =>
+    `<tr data-label="${esc(label)}"><td>${esc(label)}</td><td>${c.head}</td><td>${pct(c.slda)}</td>` +
+    `<td>${pct(c.top)}</td><td>${pct(c.mix)}</td></tr>`).join("");
+}
+
 async function imageURL(path) {
   return URL.createObjectURL(await (await call(path)).blob());
 }
@@ -224,6 +238,7 @@ async function refresh() {
     $("board").hidden = false;
     counters(st);
     memoryBars(st);
+    servingHead(st);
     state.now = { at: Date.now() / 1000, received: st.samples_received, samples_trained: st.samples_trained,
                   backlog: st.backlog };
     state.origin ??= state.now;  // the first moment this page saw
