@@ -24,6 +24,7 @@ torch.Size([1, 192, 3, 3])
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from functools import lru_cache
 from pathlib import Path
@@ -102,9 +103,11 @@ class Lite0(nn.Module):
         return self.classifier(self.upper(self.lower(images, 0), 0))
 
     def latent_shape(self, cut: int) -> tuple[int, int, int]:
+        """Shapes only: on the meta device, so no kernel runs (a forward here would map 30 MB of oneDNN's
+        code into a process whose frozen part runs in onnxruntime)."""
         with torch.no_grad():
-            probe = torch.zeros(1, 3, self.input_size, self.input_size, dtype=torch.uint8)
-            return tuple(self.lower(probe, cut).shape[1:])
+            probe = torch.zeros(1, 3, self.input_size, self.input_size, dtype=torch.uint8, device="meta")
+            return tuple(copy.deepcopy(self).to("meta").lower(probe, cut).shape[1:])
 
 
 def load_lite0(input_size: int = 128) -> Lite0:

@@ -11,7 +11,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from .guard import is_loopback
-from .server import quiet_probes, with_header_timeout
+from .server import bound_the_heap, quiet_probes, with_header_timeout
 from .settings import Settings
 
 
@@ -60,6 +60,7 @@ def serve(make_app, what: str = "service", check=None) -> int:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(usage(what))
         return 0
+    bound_the_heap()
     settings = startup_settings(check)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(quiet_probes)

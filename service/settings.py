@@ -111,7 +111,9 @@ class Settings(BaseSettings):
                                       "the model has learned a new class (0: only on request)")
     predict_batch_wait_ms: float = Field(1.0, ge=0, le=1000, description="how long a prediction waits for "
                                          "others to share its forward pass (micro-batching)")
-    predict_max_batch: int = Field(256, ge=1, description="images per shared forward pass at most")
+    predict_max_batch: int = Field(32, ge=1, description="images per shared forward pass at most; a larger "
+                                   "request goes in slices of this many, taking turns with the others, so a "
+                                   "one-photo request waits for one slice of each request ahead, not for them whole")
     online_window: int = Field(1000, ge=1, description="samples in the sliding window of online accuracy")
     history_every_steps: int = Field(10, ge=1, description="store a point of the history every N training steps")
     history_max_points: int = Field(20_000, ge=100, description="past this many points, every second point of the "
@@ -158,6 +160,9 @@ class Settings(BaseSettings):
     strict_image_size: bool = Field(False, description="refuse images that are not exactly ASER_IMAGE_SIZE square "
                                     "(wrong_shape) instead of resizing them (shorter side, then centre crop)")
     max_samples_per_request: int = Field(1024, ge=1)
+    # a camera photo's prediction costs about 7 ms of one core here (decoding 1.8, the frozen part 5.6:
+    # results/speed/service-cost.json): 256 of them about 2 s, the most one request may ask
+    max_predict_images: int = Field(256, ge=1, description="images a prediction request may hold at most")
     max_label_length: int = Field(100, ge=1)
     max_classes: int = Field(1000, ge=1)
     max_top_k: int = Field(20, ge=1)

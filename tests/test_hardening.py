@@ -46,7 +46,7 @@ def ws_ack(server, message: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("svc"), max_classes=2, max_samples_per_request=3,
+    s = Server(tmp_path_factory.mktemp("svc"), max_classes=2, max_samples_per_request=3, max_predict_images=3,
                header_timeout_s=1, body_timeout_s=1).start()
     yield s
     s.stop()

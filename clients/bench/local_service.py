@@ -42,8 +42,10 @@ def real_jpegs(path: Path, n: int, split: str = "train", classes: list[str] | No
 
 class LocalService:
     def __init__(self, data_dir: str | Path, env: dict | None = None, module: str = "service",
-                 port: int | None = None, ready_path: str = "/readyz", log_path: str | Path | None = None):
+                 port: int | None = None, ready_path: str = "/readyz", log_path: str | Path | None = None,
+                 cwd: str | Path | None = None):
         self.data_dir, self.module, self.ready_path = Path(data_dir), module, ready_path
+        self.cwd = cwd  # the checkout whose service runs (`python -m` imports from it first); None: this one
         self.port = port or free_port()
         self.env = {**os.environ, "ASER_DATA_DIR": str(self.data_dir), "ASER_PORT": str(self.port), **(env or {})}
         # the child's output, kept beside the data directory unless told otherwise
@@ -58,7 +60,8 @@ class LocalService:
         """Start the process and wait until its readiness endpoint answers 200."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, stdout=log, stderr=log)
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, stdout=log, stderr=log,
+                                         cwd=self.cwd)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

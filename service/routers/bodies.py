@@ -94,7 +94,7 @@ class BodyModels:
 
         class PredictImages(BaseModel):
             model_config = STRICT
-            images: list[image] = Field(min_length=1, max_length=n)
+            images: list[image] = Field(min_length=1, max_length=settings.max_predict_images)
             k: Integer = Field(None, ge=1, description="how many labels per image (capped at the service's limit)")
 
         class PredictImage(BaseModel):
@@ -106,31 +106,31 @@ class BodyModels:
         self.ids = TypeAdapter(list[sample_id], config=STRICT_TYPES)
         self.Sample, self.SampleBatch = Sample, SampleBatch
         self.PredictImages, self.PredictImage = PredictImages, PredictImage
-        self.max_samples = n
+        self.max_samples, self.max_predict = n, settings.max_predict_images
         self.settings = settings
 
     # --- parsing -----------------------------------------------------------------------
     def samples(self, body: bytes | str) -> list:
         """A JSON sample or {'samples': [...]} -> Sample models."""
         data = parse_json(body)
-        self.check_count(data, "samples")
+        self.check_count(data, "samples", self.max_samples)
         model = self.SampleBatch if isinstance(data, dict) and "samples" in data else self.Sample
         parsed = validate(model, data)
         return parsed.samples if model is self.SampleBatch else [parsed]
 
     def predict_json(self, body: bytes) -> tuple[list[bytes], int | None]:
         data = parse_json(body)
-        self.check_count(data, "images")
+        self.check_count(data, "images", self.max_predict)
         model = self.PredictImages if isinstance(data, dict) and "images" in data else self.PredictImage
         parsed = validate(model, data)
         images = parsed.images if model is self.PredictImages else [parsed.image]
         return [decode_base64(t, f"image {i}") for i, t in enumerate(images)], parsed.k
 
-    def check_count(self, data, key: str) -> None:
+    def check_count(self, data, key: str, limit: int) -> None:
         """Too many samples (or images) is one rule with one answer in every form: 413 too_many_samples."""
         items = data.get(key) if isinstance(data, dict) else None
-        if isinstance(items, list) and len(items) > self.max_samples:
-            raise too_many(self.max_samples, len(items))
+        if isinstance(items, list) and len(items) > limit:
+            raise too_many(limit, len(items))
 
     # --- OpenAPI -------------------------------------------------------------------------
     @cached_property
@@ -148,7 +148,7 @@ class BodyModels:
         return out
 
     def multipart(self, what: str, with_labels: bool) -> dict:
-        n = self.max_samples
+        n = self.max_samples if with_labels else self.max_predict
         props = {"image": {"type": "array", "minItems": 1, "maxItems": n,
                            "items": {"type": "string", "format": "binary"}, "description": f"the {what}' images"}}
         required = ["image"]
@@ -234,7 +234,7 @@ def too_many(limit: int, got: int | None = None) -> InputError:
 async def read_form(request: Request, models: BodyModels, with_labels: bool):
     """The images (and labels and ids) of a multipart body; any other field is refused, as JSON
     refuses unknown fields. Without labels (a prediction): the images and the `k` fields."""
-    n = models.max_samples
+    n = models.max_samples if with_labels else models.max_predict
     try:
         form = await request.form(max_files=n, max_fields=3 * n)  # images sent as text parts are fields
     except HTTPException as exc:  # Starlette's multipart limits and parse errors
