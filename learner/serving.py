@@ -49,35 +49,36 @@ class Serving:
         features = self.inference_features(self.autocast_dtype)
         return lambda stored, frozen: features(self.to_input(stored))
 
-    def served_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def served_head(self, solve: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The served linear head over class ids 0..num_classes-1 (weight, bias): the serving weights'
         head, or the streaming head as solved now (`stream_head_rows`)."""
         if not self.streams:
             head = self.serving_model.head
             return head.weight.detach(), head.bias.detach()
-        return self.stream_head_rows()
+        return self.stream_head_rows(solve)
 
-    def served_choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def served_choice(self, solve: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Under a measured choice (`learner.head_choice`): streaming LDA's rows (`stream_head_rows`) and each
         class's head, which `served_head` (the top's) joins; None otherwise."""
         if self.head_choice is None:
             return None
-        return (*self.stream_head_rows(), self.head_choice.choice(self.num_classes))
+        return (*self.stream_head_rows(solve), self.head_choice.choice(self.num_classes))
 
-    def stream_head_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The streaming head as solved now, over class ids 0..num_classes-1: a class it has not seen (or
-        forgot) gets a zero row and a bias no logit reaches."""
-        solved = self.solved_head()
+    def stream_head_rows(self, solve: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streaming head as solved now (`solved_head`), over class ids 0..num_classes-1: a class it has not
+        seen (or forgot) gets a zero row and a bias no logit reaches."""
+        solved = self.solved_head(solve)
         weight = torch.zeros(self.num_classes, solved.weight.shape[1], device=self.device)
         bias = torch.full((self.num_classes,), UNSEEN_LOGIT, device=self.device)
         weight[solved.class_ids] = solved.weight.to(self.device)
         bias[solved.class_ids] = solved.bias.to(self.device)
         return weight, bias
 
-    def solved_head(self):
+    def solved_head(self, solve: bool = True):
         """The streaming head solved on what it has seen, solved again when it says it is due
-        (`StreamingClassMeans.solve_due`: streaming LDA's solve costs O(d^3))."""
-        if self._solved is None or self.stream_head.solve_due(self._solved[0]):
+        (`StreamingClassMeans.solve_due`: streaming LDA's solve costs O(d^3)); with `solve` False, as solved
+        last (a learner behind its stream publishes what it skipped without paying for a solve)."""
+        if self._solved is None or (solve and self.stream_head.solve_due(self._solved[0])):
             self._solved = (self.stream_head.counts.clone(), self.stream_head.head())
         return self._solved[1]
 

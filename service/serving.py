@@ -53,12 +53,13 @@ class Predictor:
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
-                     ncm: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Predictor":
-        """The learner's served head, or `ncm` (`learner.ncm.ncm_head`) on unit-norm features."""
-        weight, bias = ncm if ncm is not None else learner.served_head()
+                     ncm: tuple[torch.Tensor, torch.Tensor] | None = None, solve: bool = True) -> "Predictor":
+        """The learner's served head, or `ncm` (`learner.ncm.ncm_head`) on unit-norm features; `solve`: the
+        streaming head solved again where due (else as solved last)."""
+        weight, bias = ncm if ncm is not None else learner.served_head(solve)
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), weight.shape[0])
-        chosen = learner.served_choice() if ncm is None else None
+        chosen = learner.served_choice(solve) if ncm is None else None
         return cls(learner.encode_incoming, learner.encoded_features(), weight.detach()[:n].clone(),
                    bias.detach()[:n].clone(), tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen,
                    trained_upto, learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps,
@@ -168,8 +169,9 @@ class Publisher:
         self._served_made = MemoryDerived(self.serving_refresh_steps)
 
     def publish(self, learner: ContinualLearner, classes: list[str | None], trained_upto: int, progress: int,
-                refresh: bool = False) -> None:
-        """Bring the corrections due up to `learner` (all of them with `refresh`) and publish it."""
+                refresh: bool = False, solve: bool = True) -> None:
+        """Bring the corrections due up to `learner` (all of them with `refresh`) and publish it; `solve`
+        False: the streaming head as solved last (`Predictor.from_learner`)."""
         self._refresh_serving(learner, progress, refresh)
         self._refresh_ncm_head(learner, progress, refresh)
         try:
@@ -178,7 +180,7 @@ class Publisher:
             pass
         known = set(self.published.predictor.labels) if self.published is not None else None
         # one object, one swap: a reader never sees the model of one step beside the memory of another
-        self.published = Published(Predictor.from_learner(learner, classes, trained_upto, self._ncm_head),
+        self.published = Published(Predictor.from_learner(learner, classes, trained_upto, self._ncm_head, solve),
                                    MemoryView.of(learner), self.current(learner, progress))
         if known is not None:
             labels = self.published.predictor.labels

@@ -111,7 +111,7 @@ class Settings(BaseSettings):
                                       "the model has learned a new class (0: only on request)")
     predict_batch_wait_ms: float = Field(1.0, ge=0, le=1000, description="how long a prediction waits for "
                                          "others to share its forward pass (micro-batching)")
-    predict_max_batch: int = Field(32, ge=1, description="images per shared forward pass at most; a larger "
+    predict_max_batch: int = Field(16, ge=1, description="images per shared forward pass at most; a larger "
                                    "request goes in slices of this many, taking turns with the others, so a "
                                    "one-photo request waits for one slice of each request ahead, not for them whole")
     online_window: int = Field(1000, ge=1, description="samples in the sliding window of online accuracy")

@@ -231,7 +231,7 @@ class LearnerWorker:
         self.consistent = True
         self._in_step = []
         self.metrics.observe_skip(len(entries), done.thinned)
-        self.publish()
+        self.publish(solve=False)  # behind the bound: the next step's publication solves the streaming head
         self._checkpoint_if_due()
 
     def rehearse_if_idle(self) -> bool:
@@ -271,9 +271,10 @@ class LearnerWorker:
         """The age of the oldest acknowledged sample the published model has not learned (0: none)."""
         return self.store.lag_seconds(self.trained_upto)
 
-    def publish(self, refresh_head: bool = False) -> None:
+    def publish(self, refresh_head: bool = False, solve: bool = True) -> None:
         """What readers see of the learner, replaced whole (atomic swaps) between steps."""
-        self.publisher.publish(self.learner, self.store.classes(), self.trained_upto, self.progress(), refresh_head)
+        self.publisher.publish(self.learner, self.store.classes(), self.trained_upto, self.progress(), refresh_head,
+                               solve)
 
     @property
     def published(self) -> Published | None:

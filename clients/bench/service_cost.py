@@ -12,7 +12,8 @@ checkout's service, for a before/after on one machine), and measures:
 3. /predict, unloaded: the latency of 1 and of 32 photos (p50, p99), then of one photo while another
    client sends the largest prediction requests the service takes;
 4. the lag bound: a fresh service with ASER_MAX_LAG_S=6 fed CIFAR-10 JPEGs at --rate samples a second
-   for --lag-seconds: the largest lag /status showed, trained and skipped.
+   (80, and 320: several times what it trains) for --lag-seconds: the largest lag /status showed, trained
+   and skipped.
 
     python -m clients.bench.service_cost --out results/speed/service-cost.json
     python -m clients.bench.service_cost --tree ../before --out results/speed/service-cost-before.json
@@ -89,9 +90,10 @@ class ProcessWatch:
             self.peak["children_mb"] = max(self.peak["children_mb"], sum(rss_mb(c) for c in children(self.pid)))
             self._stop.wait(self.every)
 
-    def cpu_seconds(self) -> float:
-        """The process's CPU seconds with its children's, living (their /proc) and reaped."""
-        return cpu_seconds(self.pid, reaped=True) + sum(cpu_seconds(c) for c in children(self.pid))
+    def cpu_seconds(self) -> tuple[float, float]:
+        """The process's own CPU seconds, and its children's (the snapshot exporter), living and reaped."""
+        own = cpu_seconds(self.pid)
+        return own, cpu_seconds(self.pid, reaped=True) - own + sum(cpu_seconds(c) for c in children(self.pid))
 
 
 def children(pid: int) -> list[int]:
@@ -136,17 +138,20 @@ def wait_trained(client: ServiceClient, n: int, timeout: float) -> dict:
 
 def ingest(service: LocalService, photos: list[tuple[str, bytes]]) -> dict:
     with ServiceClient(service.url, timeout=120) as client, ProcessWatch(service.proc.pid) as watch:
-        cpu0, t0 = watch.cpu_seconds(), time.perf_counter()
+        (own0, exports0), t0 = watch.cpu_seconds(), time.perf_counter()
         for i in range(0, len(photos), 10):
             batch = photos[i:i + 10]
             client.add_samples([c for c, _ in batch], [b for _, b in batch])
         st = wait_trained(client, len(photos), timeout=3600)
-        wall, cpu = time.perf_counter() - t0, watch.cpu_seconds() - cpu0
+        wall, (own, exports) = time.perf_counter() - t0, watch.cpu_seconds()
         snapshots = len(client.http.get("/snapshots").json()["snapshots"])
     trained = st["samples_trained"]
+    per_photo = 1000 / max(trained, 1)
     return {"photos": len(photos), "trained": trained, "skipped": st["lag"]["samples_skipped"],
             "wall_s": round(wall, 1), "trained_per_s": round(trained / wall, 2),
-            "cpu_ms_per_trained_photo": round(1000 * cpu / max(trained, 1), 1),
+            "cpu_ms_per_trained_photo": round(per_photo * (own - own0 + exports - exports0), 1),
+            "of_which_learner_process_ms": round(per_photo * (own - own0), 1),
+            "of_which_snapshot_exports_ms": round(per_photo * (exports - exports0), 1),
             "peak_rss_mb": {k: round(v, 1) for k, v in watch.peak.items()}, "snapshots_kept": snapshots,
             "steps": st["steps"]}
 
@@ -265,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", default=".", help="the checkout whose service runs (another one: a before/after)")
     p.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a setting of the services")
     p.add_argument("--largest", type=int, default=1024, help="images (CIFAR-10 JPEGs) in the flooding client's "
-                   "requests: ASER_MAX_SAMPLES_PER_REQUEST's default")
-    p.add_argument("--rate", type=float, default=80.0, help="the lag bound's stream, samples a second")
+                   "requests at most (fewer where the service takes fewer)")
+    p.add_argument("--rate", type=float, nargs="+", default=[80.0, 320.0], help="the lag bound's streams, samples "
+                   "a second (one fresh service each)")
     p.add_argument("--lag-seconds", type=float, default=60.0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -282,14 +288,18 @@ def main(argv: list[str] | None = None) -> int:
             result["ingest"] = ingest(service, photos)
             blobs = [b for _, b in photos[::7]]
             result["predict"] = [latencies(service.url, blobs, 200, 1), latencies(service.url, blobs, 40, 32)]
-            flood = [b for _, b in real_jpegs(Path(args.cifar), args.largest, split="test")]
+            cap = httpx.get(service.url + "/openapi.json").json()["components"]["schemas"]["PredictImages"]
+            largest = min(args.largest, cap["properties"]["images"]["maxItems"])  # as many as the service takes
+            flood = [b for _, b in real_jpegs(Path(args.cifar), largest, split="test")]
             result["predict_beside_large_requests"] = beside_large_requests(service.url, blobs, flood, 100)
         finally:
             service.stop()
     result["parts"] = parts(photos)
     result["ingest"]["cpu_over_floor"] = round(result["ingest"]["cpu_ms_per_trained_photo"] /
                                                result["parts"]["floor_ms"], 2)
-    result["lag_bound"] = lag_bound(tree, Path(args.cifar), env, args.rate, args.lag_seconds)
+    result["ingest"]["learner_process_over_floor"] = round(result["ingest"]["of_which_learner_process_ms"] /
+                                                           result["parts"]["floor_ms"], 2)
+    result["lag_bound"] = [lag_bound(tree, Path(args.cifar), env, rate, args.lag_seconds) for rate in args.rate]
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
