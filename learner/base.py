@@ -149,6 +149,12 @@ class ContinualLearner(Serving, HeadClasses):
         if bool(known.any()):
             self.head_choice.score(self.head_probabilities(stored[known], frozen[known]), labels[known])
 
+    def warm_up(self) -> None:
+        """Build what the first step would (the frozen part's onnxruntime session: its trace passes through
+        the heap), while the process is small: a service's peak memory then does not stack it on the rest."""
+        size = self.backbone.input_size
+        self.encode_incoming(torch.zeros(1, 3, size, size, dtype=torch.uint8, device=self.device))
+
     def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor) -> None:
         """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
         if self.stream_head is not None:

@@ -69,12 +69,10 @@ class _Upper(nn.Module):
         return self.frozen.upper(latent, self.cut)
 
 
-def _session(module: nn.Module, example: torch.Tensor, outputs: int):
-    """`module` traced to ONNX and loaded in onnxruntime, on as many threads as torch uses now.
-    The TorchScript tracer: the frozen part has no control flow, and it exports in under a second
-    where torch.export takes six (it would need a file cache, and the service starts it often)."""
-    import onnxruntime as ort
-
+def onnx_graph(module: nn.Module, example: torch.Tensor, outputs: int) -> bytes:
+    """`module` traced to ONNX: input "x", outputs "out0".... The TorchScript tracer: the frozen part has no
+    control flow, and it exports in under a second where torch.export takes six (it would need a file
+    cache, and the service starts it often)."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     module.eval()  # the exporter restores the mode it found: train mode would reach the shared frozen modules
     buffer = io.BytesIO()
@@ -83,6 +81,13 @@ def _session(module: nn.Module, example: torch.Tensor, outputs: int):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, (example,), buffer, dynamo=False, input_names=["x"], output_names=names,
                           dynamic_axes={"x": {0: "n"}, **{name: {0: "n"} for name in names}}, opset_version=17)
+    return buffer.getvalue()
+
+
+def session_of(graph: bytes):
+    """An onnxruntime session of `graph`, on as many threads as torch uses now."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
@@ -93,10 +98,7 @@ def _session(module: nn.Module, example: torch.Tensor, outputs: int):
     options.enable_mem_pattern = False
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.log_severity_level = 3
-    session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
-    del buffer
-    trim_heap()  # the trace's garbage (40 MB at 160 px) back to the system
-    return session
+    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
 
 def trim_heap() -> None:
@@ -141,7 +143,8 @@ class FrozenGraphs:
         if key not in self._sessions:
             with self._lock:
                 if key not in self._sessions:
-                    self._sessions[key] = _session(module(), torch.zeros(2, *shape()), outputs)
+                    self._sessions[key] = session_of(onnx_graph(module(), torch.zeros(2, *shape()), outputs))
+                    trim_heap()  # the trace's garbage (40 MB at 160 px) back to the system
         return self._sessions[key]
 
     def __deepcopy__(self, memo):  # sessions are not copied: a copy builds its own at first use

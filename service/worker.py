@@ -119,6 +119,7 @@ class LearnerWorker:
     def _load(self) -> None:
         """(Re)start from the last committed checkpoint."""
         learner = self._build_learner()
+        learner.warm_up()
         self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
         self.online = OnlineAccuracy.from_state(extra.get("online"), self.settings.online_window)
         forgotten = self.store.forgotten()

@@ -36,6 +36,7 @@ from .resume import CheckpointMismatch
 from .tables import (
     anytime_comparison_table,
     comparison_table,
+    candidates_table,
     corrections_table,
     load_paper,
     seeds_table,
@@ -115,6 +116,8 @@ def cmd_table(args) -> int:
         if anytime := anytime_comparison_table(rows):
             text += "\n" + anytime
 
+    if candidates := candidates_table(groups):
+        text += "\n" + candidates
     if corrections := corrections_table(results):
         text += "\n" + corrections
     text += "\n## A_T by seed\n\n" + seeds_table(groups)

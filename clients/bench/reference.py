@@ -31,7 +31,7 @@ from learner.data import CLASSES, load_dataset
 from .latents import encoded_dataset
 from .machine import machine_description
 
-L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 MAX_ITERATIONS = 1000
 
 

@@ -177,6 +177,34 @@ def _ratio(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.2f}x"
 
 
+def candidates_table(groups: dict[tuple, list[dict]]) -> str:
+    """Under a measured head choice (`--choose-head`), each candidate head's A_T and anytime @10, and what the
+    served answer, the top and the mean add to streaming LDA, paired within each run; "" without such runs.
+
+    >>> run = lambda a, s, t, m: {"average_accuracy": a, "average_accuracy_slda": s, "average_accuracy_top": t,
+    ...     "average_accuracy_mix": m, "anytime": {"10": a}, "anytime_slda": {"10": s}}
+    >>> print(candidates_table({("d", 10, "x"): [run(91.0, 90.0, 89.0, 92.0), run(92.0, 90.5, 90.0, 93.0)]})
+    ...       .splitlines()[2])
+    | d | x | 2 | 91.5 ± 6.4 | 90.2 ± 3.2 | 89.5 ± 6.4 | 92.5 ± 6.4 | +1.25 ± 3.18 | -0.75 ± 3.18 | +2.25 ± 3.18 | +1.25 ± 3.18 |
+    """
+    rows = [(key, rs) for key, rs in sorted(groups.items()) if all("average_accuracy_slda" in r for r in rs)]
+    if not rows:
+        return ""
+    lines = ["| dataset | configuration | seeds | served A_T | streaming LDA | the top | their mean "
+             "| served − LDA | top − LDA | mean − LDA | served − LDA: anytime @10 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (dataset, _, label), rs in rows:
+        values = {h: [r[f"average_accuracy{h}"] for r in rs] for h in ("", "_slda", "_top", "_mix")}
+        lda = dict(enumerate(values["_slda"]))
+        diffs = [_signed(paired_difference(lda, dict(enumerate(values[h])))) for h in ("", "_top", "_mix")]
+        anytime = paired_difference({i: r["anytime_slda"]["10"] for i, r in enumerate(rs)},
+                                    {i: r["anytime"]["10"] for i, r in enumerate(rs)})
+        lines.append(f"| {dataset} | {label} | {len(rs)} | {' | '.join(fmt(v) for v in values.values())} | "
+                     f"{' | '.join(diffs)} | {_signed(anytime)} |")
+    return "\n".join(lines) + ("\n\nEvery candidate scored at each evaluation of the same run (A_T in %); differences "
+                               "paired within runs, mean ± 95% t-interval.\n")
+
+
 def _signed(d: dict) -> str:
     if d["seeds"] < 2:
         return f"{d['mean']:+.2f}" if d["seeds"] else "n/a"
