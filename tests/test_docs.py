@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "results" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # a results path as the docs write it; templates ({seed}, <device>) and a command's own output (after --out,
 # where several seeds add -seedN) name files a command will write
-CITED = re.compile(r"(--out |--plot |--checkpoint )?(results/[A-Za-z0-9_.*/{}<>-]+)")
+CITED = re.compile(r"(--out |--plot |--checkpoint )?(?<![\w/.-])(results/[A-Za-z0-9_.*/{}<>-]+)")
 
 
 def cited_paths(page: Path) -> list[str]:
