@@ -9,8 +9,9 @@ keeps sampling the whole stream, while those updates keep within
 holds at most `memory_share x bound_s / 2`: a skipping episode that spends a full bucket at once lets the
 oldest sample age by as much again, so at the default share of 0.5 the lag stays within 1.25x the bound
 (a full `memory_share x bound_s` let it reach 10.2 s under a 6 s bound on the pretrained default, whose
-skipped samples each pay a frozen forward: results/speed/service-cost.json). Beyond it, only as many of a chunk as the allowance pays
-for, drawn at random, reach the memory; the others are counted and nothing more (thinned).
+skipped samples each pay a frozen forward: docs/results/speed-and-memory.md). Beyond it, only as many of a
+chunk as the allowance pays for, drawn at random, reach the memory; the others are counted and nothing more
+(thinned).
 Before that, while the oldest waiting sample is past the cutoff (`behind`), a caller may take lean
 steps (`observe(..., lean=True)`: the bare method's step, without repeated rehearsal or
 augmentation, with the memory policies' lean forms), so that a costly learner trains on more of the

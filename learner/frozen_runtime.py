@@ -2,10 +2,11 @@
 runtime's speed.
 
 The frozen part never trains, so it needs no autograd: it is traced once into an ONNX graph (in
-memory, under a second) and onnxruntime runs it, about 3x faster than PyTorch's eager forward on
-one CPU thread (results/speed/frozen-part.json). The graphs take the pixels as `resize_pixels`
-gives them (floats scaled as Lite0 was trained, at the input size), so an image of any size is
-resized as before; PyTorch still runs what trains and anything on a GPU.
+memory, under a second) and onnxruntime runs it, about 3.5x faster than PyTorch's eager forward on
+one CPU thread (5.1 against 18.3 CPU ms an image at 160 px: results/speed/service-cost-after.json,
+`parts`). The graphs take the pixels as `resize_pixels` gives them (floats scaled as Lite0 was trained,
+at the input size), so an image of any size is resized as before; PyTorch still runs what trains and
+anything on a GPU.
 
 `lower` gives the latent at the cut and, below the pooled cut, the frozen network's pooled
 features of that latent as the memory stores it in 16 bits (one pass for both: what the streaming

@@ -75,7 +75,8 @@ class HeadChoice:
 
     def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities: each class's from its head, renormalised."""
-        return compose(torch.stack([probabilities[h] for h in CANDIDATES]), self.choice(probabilities[STREAMING].shape[1]))
+        classes = probabilities[STREAMING].shape[1]
+        return compose(torch.stack([probabilities[h] for h in CANDIDATES]), self.choice(classes))
 
     def summary(self) -> dict:
         """Each head's share of right answers over the classes' recent samples, overall and per class, and

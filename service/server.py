@@ -8,7 +8,7 @@
 - a C heap that gives memory back: glibc's allocator keeps a heap per thread (up to 8 a core) and, once a
   large block is freed, raises its threshold for serving large blocks from them, so the frozen part's and
   the streaming head's buffers stay resident as fragments (the learner's peak went from 690 to 790 MB over
-  600 camera photos, results/speed/service-cost.json). Two heaps, and large blocks always mapped apart.
+  600 camera photos, docs/results/speed-and-memory.md). Two heaps, and large blocks always mapped apart.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 256 * 1024  # blocks from this size are mapped on their own and unmapped when freed

@@ -160,8 +160,8 @@ class Settings(BaseSettings):
     strict_image_size: bool = Field(False, description="refuse images that are not exactly ASER_IMAGE_SIZE square "
                                     "(wrong_shape) instead of resizing them (shorter side, then centre crop)")
     max_samples_per_request: int = Field(1024, ge=1)
-    # a camera photo's prediction costs about 7 ms of one core here (decoding 1.8, the frozen part 5.6:
-    # results/speed/service-cost.json): 256 of them about 2 s, the most one request may ask
+    # a camera photo's prediction costs about 7 ms of one core here (decoding 1.6, the frozen part 5.1:
+    # results/speed/service-cost-after.json): 256 of them about 1.7 s, the most one request may ask
     max_predict_images: int = Field(256, ge=1, description="images a prediction request may hold at most")
     max_label_length: int = Field(100, ge=1)
     max_classes: int = Field(1000, ge=1)

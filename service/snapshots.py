@@ -7,8 +7,8 @@ from the file alone. Files are written under a temporary name,
 fsynced and renamed, then recorded in the `snapshots` table; a crash leaves no half file listed.
 
 The export runs in a separate process (spawned, so it shares no interpreter state with the
-learner): tracing runs the network, and its time and memory stay out of the learner's. The learner thread only copies the
-weights between two steps; one exporter thread here feeds that process one job at a time,
+learner): tracing runs the network, and its time and memory stay out of the learner's. The learner
+thread only copies the weights between two steps; one exporter thread here feeds that process one job at a time,
 kills and replaces it if it hangs or dies, and records each finished file.
 """
 
@@ -311,7 +311,8 @@ class SnapshotStore:
                         self.directory / name, meta, head, normalize=head_name == "ncm",
                         frozen_features=head_name == "slda", calibration=calibration,
                         min_agreement=min_agreement,
-                        stream_head=None if chosen is None else tuple(t.detach().to("cpu", copy=True) for t in chosen[:2]),
+                        stream_head=None if chosen is None else
+                        tuple(t.detach().to("cpu", copy=True) for t in chosen[:2]),
                         choice=None if chosen is None else chosen[2].tolist())
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)

@@ -44,7 +44,8 @@ def test_eurosat_has_the_shared_split_and_class_order(cache_dir):
     assert data.train_y.bincount().tolist() == [5] * 10 and data.test_y.bincount().tolist() == [2] * 10
     with zipfile.ZipFile(EUROSAT_ZIP) as z:
         def image(name):
-            return torch.from_numpy(np.asarray(Image.open(io.BytesIO(z.read(name))).convert("RGB")).transpose(2, 0, 1).copy())
+            pixels = np.asarray(Image.open(io.BytesIO(z.read(name))).convert("RGB"))
+            return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
         # training: AnnualCrop_1, _2, _3, _4, _6 (not _10, which name order would put second); test: _5, _10
         assert torch.equal(data.train_x[1], image("AnnualCrop/AnnualCrop_2.jpg"))
         assert torch.equal(data.train_x[4], image("AnnualCrop/AnnualCrop_6.jpg"))

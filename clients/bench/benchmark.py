@@ -35,8 +35,8 @@ from .results import comparisons, group, load_results
 from .resume import CheckpointMismatch
 from .tables import (
     anytime_comparison_table,
-    comparison_table,
     candidates_table,
+    comparison_table,
     corrections_table,
     load_paper,
     seeds_table,

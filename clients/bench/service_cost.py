@@ -15,7 +15,7 @@ checkout's service, for a before/after on one machine), and measures:
    (80, and 320: several times what it trains) for --lag-seconds: the largest lag /status showed, trained
    and skipped.
 
-    python -m clients.bench.service_cost --out results/speed/service-cost.json
+    python -m clients.bench.service_cost --out results/speed/service-cost-after.json
     python -m clients.bench.service_cost --tree ../before --out results/speed/service-cost-before.json
 """
 
