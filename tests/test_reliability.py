@@ -194,8 +194,8 @@ def test_a_failed_step_restarts_from_the_checkpoint_and_retrains(tmp_path, cifar
     worker = worker_for(tmp_path, cifar10_slice, 40, checkpoint_every_steps=2)
     real, calls = ReplayLearner.observe, []
 
-    def observe_failing_once(self, images, labels, lean=False):
-        out = real(self, images, labels, lean)
+    def observe_failing_once(self, images, labels, **options):
+        out = real(self, images, labels, **options)
         calls.append(1)
         if len(calls) == 5:
             raise RuntimeError("injected: failure after the weights changed")
@@ -218,8 +218,8 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     worker = worker_for(tmp_path, cifar10_slice, 20, checkpoint_every_steps=1)
     real, calls = ReplayLearner.observe, []
 
-    def observe_then_stop(self, images, labels, lean=False):
-        stats = real(self, images, labels, lean)
+    def observe_then_stop(self, images, labels, **options):
+        stats = real(self, images, labels, **options)
         calls.append(1)
         if len(calls) == 3:
             worker._stop.set()  # the shutdown request lands during the step ...
