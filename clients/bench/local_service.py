@@ -10,6 +10,7 @@ torture programs and the tests: start it, wait until ready, stop it, or kill it 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,16 +29,33 @@ def free_port() -> int:
 
 
 def real_jpegs(path: Path, n: int, split: str = "train", classes: list[str] | None = None) -> list[tuple[str, bytes]]:
-    """The first n JPEGs of a CIFAR-10 zip's split (of the given classes, or all), as (class name,
-    bytes), classes interleaved."""
+    """The first n JPEGs of a split of CIFAR-10's zip or EuroSAT's (of the given classes, or all),
+    as (class name, bytes), classes interleaved, each class's files in the order of their number."""
     with zipfile.ZipFile(path) as z:
-        names = sorted(x for x in z.namelist() if x.endswith(".jpg") and f"/{split}/" in x)
+        names = sorted((x for x in z.namelist() if x.endswith(".jpg") and split_of(x) == split), key=file_order)
         by_class: dict[str, list[str]] = {c: [] for c in classes or []}
         for x in names:
             if classes is None or x.split("/")[-2] in by_class:
                 by_class.setdefault(x.split("/")[-2], []).append(x)
         picked = [files[i] for i in range(n // len(by_class) + 1) for files in by_class.values() if i < len(files)][:n]
         return [(x.split("/")[-2], z.read(x)) for x in picked]
+
+
+def split_of(name: str) -> str:
+    """CIFAR-10's zip names its split; EuroSAT's ships none, and its README's rule holds: a file
+    whose number is a multiple of 5 is a test image (as learner.data splits it)."""
+    if "/train/" in name or "/test/" in name:
+        return "train" if "/train/" in name else "test"
+    return "test" if file_number(name) % 5 == 0 else "train"
+
+
+def file_number(name: str) -> int:
+    digits = re.search(r"(\d+)\.jpg$", name)
+    return int(digits.group(1)) if digits else -1
+
+
+def file_order(name: str) -> tuple[str, int, str]:
+    return name.rsplit("/", 1)[0], file_number(name), name
 
 
 class LocalService:

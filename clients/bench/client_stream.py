@@ -1,0 +1,154 @@
+"""A real client's view of a Split stream: a fresh service (its defaults, or `--env` settings) in an
+empty data directory receives a data set's training photos over HTTP (NDJSON `POST /samples`) task by
+task, two classes a task in the data set's order, the task's classes interleaved, as a device in the
+field would send them. Measured through `POST /predict` on `--test-per-class` held-out photos of
+every class seen so far: once each new class has sent 10 and 100 photos (the benchmark's anytime
+accuracy, `clients.bench.protocol.AnytimeProbe`), and at the end of each task. At the end: the head
+the service serves (and its stream-measured choice), and the ONNX snapshot's parity with `/predict`
+(the same top-1 label on every test photo, the largest gap in its probability).
+
+    python -m clients.bench.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
+        --out results/client-stream/eurosat-default.json
+    python -m clients.bench.client_stream --data ../shared/datasets/cifar10-jpeg.zip --train-per-class 1000 \\
+        --out results/client-stream/cifar10-default.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from clients.api import ServiceClient
+from clients.onnx_client import OnnxClassifier
+
+from .local_service import LocalService, real_jpegs
+from .machine import machine_description
+from .protocol import ANYTIME_POINTS
+from .sweep import seeds as parse_seeds
+
+CLASSES_A_TASK = 2
+LARGE = 10**9  # every photo a class has
+
+
+def class_names(data: Path) -> list[str]:
+    """Both shared sets' class order is the alphabetical order of their class folders."""
+    with zipfile.ZipFile(data) as z:
+        return sorted({x.split("/")[-2] for x in z.namelist() if x.endswith(".jpg")})
+
+
+def accuracy(client: ServiceClient, test: list[tuple[str, bytes]]) -> tuple[float, list[dict]]:
+    """Top-1 accuracy of /predict on (label, photo) pairs, and the answers."""
+    answers = [r[0] for i in range(0, len(test), 64) for r in client.predict([p for _, p in test[i:i + 64]], k=1)["results"]]
+    right = sum(answer["label"] == label for (label, _), answer in zip(test, answers, strict=True))
+    return round(100 * right / len(test), 2), answers
+
+
+def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], tries: int = 5) -> dict:
+    """Export a snapshot and compare it with /predict of the same model version (an idle refit of
+    the served corrections may move the version between the two: then export again)."""
+    for _ in range(tries):
+        snapshot = client.create_snapshot()
+        answer = client.predict([test[0][1]], k=1)
+        if answer["model_version"] == snapshot["model_version"]:
+            break
+        time.sleep(2)
+    else:
+        return {"compared": 0, "why": "the model version kept moving"}
+    onnx = OnnxClassifier.from_service(url, str(snapshot["id"]))
+    _, served = accuracy(client, test)
+    exported = [r[0] for i in range(0, len(test), 64) for r in onnx.predict([io.BytesIO(p) for _, p in test[i:i + 64]], k=1)]
+    same = sum(a["label"] == b["label"] for a, b in zip(served, exported, strict=True))
+    gap = max(abs(a["probability"] - b["probability"]) for a, b in zip(served, exported, strict=True))
+    return {"compared": len(test), "same_top1": same, "max_probability_gap": round(gap, 6),
+            "snapshot_id": snapshot["id"], "model_version": snapshot["model_version"],
+            "snapshot_head": onnx.metadata.get("head", "")}
+
+
+def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[tuple[str, bytes]],
+              per_class: int) -> dict:
+    """Send one task's photos; measure at each anytime point it reaches and at its end."""
+    points, sent = {}, 0
+    for point in (*ANYTIME_POINTS, LARGE):
+        upto = min(len(train), CLASSES_A_TASK * min(point, per_class))
+        if upto <= sent:
+            continue
+        client.stream_samples(train[sent:upto])
+        sent = upto
+        status = client.drain()
+        found = {"accuracy": accuracy(client, test)[0], "serving_head": status["serving_head"],
+                 "samples_trained": status["samples_trained"]}
+        if point in ANYTIME_POINTS and sent == CLASSES_A_TASK * point:
+            points[str(point)] = found
+        if sent == len(train):
+            points["end"] = found
+    return points
+
+
+def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int) -> dict:
+    names = class_names(data)
+    tasks = [names[i:i + CLASSES_A_TASK] for i in range(0, len(names), CLASSES_A_TASK)]
+    with tempfile.TemporaryDirectory() as tmp:
+        service = LocalService(Path(tmp) / "data", {**env, "ASER_SEED": str(seed)}).start()
+        try:
+            with ServiceClient(service.url, timeout=300) as client:
+                started, along, sent = time.monotonic(), [], 0
+                for t, classes in enumerate(tasks):
+                    seen = [c for task in tasks[:t + 1] for c in task]
+                    train = real_jpegs(data, CLASSES_A_TASK * per_class, classes=classes)
+                    test = real_jpegs(data, len(seen) * test_per_class, split="test", classes=seen)
+                    along.append(send_task(client, train, test, per_class))
+                    sent += len(train)
+                    print(f"seed {seed} task {t + 1} {classes}: "
+                          + ", ".join(f"@{k} {v['accuracy']}" for k, v in along[-1].items()), flush=True)
+                seconds = time.monotonic() - started
+                status = client.drain()
+                parity = onnx_parity(client, service.url, test)
+        finally:
+            service.stop()
+    anytime = {str(n): [task[str(n)]["accuracy"] for task in along if str(n) in task] for n in ANYTIME_POINTS}
+    return {"seed": seed, "final_accuracy": along[-1]["end"]["accuracy"],
+            "anytime": {n: round(sum(v) / len(v), 2) for n, v in anytime.items() if v},
+            "tasks": along, "serving_head": status["serving_head"], "head_choice": status["head_choice"],
+            "samples_sent": sent,
+            "samples_trained": status["samples_trained"], "samples_skipped": status["lag"]["samples_skipped"],
+            "stream_seconds": round(seconds, 1), "onnx_parity": parity, "config": status["config"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="../shared/datasets/eurosat-rgb.zip", help="CIFAR-10's or EuroSAT's zip")
+    parser.add_argument("--train-per-class", type=int, default=LARGE, help="training photos a class (default: all)")
+    parser.add_argument("--test-per-class", type=int, default=200, help="held-out photos a class in each measurement")
+    parser.add_argument("--seeds", default="0", help="ASER_SEED of each run: 0 or 0-4")
+    parser.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a setting of the service")
+    parser.add_argument("--out", help="write the result here (JSON)")
+    args = parser.parse_args(argv)
+    env = dict(item.split("=", 1) for item in args.env)
+    runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class)
+            for seed in parse_seeds(args.seeds)]
+    mean = {key: round(sum(r[key] for r in runs) / len(runs), 2) for key in ("final_accuracy",)}
+    mean["anytime"] = {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}
+    result = {"data": Path(args.data).name, "train_per_class": args.train_per_class if args.train_per_class < LARGE
+              else "all", "test_per_class": args.test_per_class, "env": env, "mean": mean, "runs": runs,
+              "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
+              "command": "python -m clients.bench.client_stream " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    print(json.dumps(mean))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""A real client's view (clients.bench.client_stream): a fresh service on its defaults, fed Split
+EuroSAT's real photos over HTTP task by task, answers the seen classes well above chance, trains every
+photo sent once, and its ONNX snapshot answers every held-out photo as /predict does."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+from clients.bench import client_stream
+from clients.bench.local_service import file_number, real_jpegs, split_of
+
+from .conftest import EUROSAT_ZIP
+
+
+def test_eurosat_photos_split_by_the_readme_rule_in_the_order_of_their_number():
+    with zipfile.ZipFile(EUROSAT_ZIP) as z:
+        names = [x for x in z.namelist() if x.endswith(".jpg")]
+    test = [x for x in names if split_of(x) == "test"]
+    assert len(test) == 5400 and len(names) - len(test) == 21600
+    assert all(file_number(x) % 5 == 0 for x in test)
+    first = real_jpegs(EUROSAT_ZIP, 3, classes=["River"])
+    with zipfile.ZipFile(EUROSAT_ZIP) as z:  # River_1, River_2, River_3: by number, not by name
+        assert [image for _, image in first] == [z.read(f"River/River_{n}.jpg") for n in (1, 2, 3)]
+
+
+def test_a_split_stream_through_the_service_is_learned_and_the_snapshot_answers_as_predict(tmp_path):
+    out = tmp_path / "stream.json"
+    assert client_stream.main(["--data", str(EUROSAT_ZIP), "--train-per-class", "12", "--test-per-class", "5",
+                               "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    run = result["runs"][0]
+    assert [list(task) for task in run["tasks"]] == [["10", "end"]] * 5
+    assert run["samples_sent"] == run["samples_trained"] == 120 and run["samples_skipped"] == 0
+    assert run["final_accuracy"] >= 40 and run["anytime"]["10"] >= 40  # 10 classes: chance is 10
+    parity = run["onnx_parity"]
+    assert parity["compared"] == 50 and parity["same_top1"] == 50 and parity["max_probability_gap"] < 1e-3
+    assert run["serving_head"] == parity["snapshot_head"] == "slda"
+    assert result["command"].startswith("python -m clients.bench.client_stream")
