@@ -74,7 +74,7 @@ class LocalService:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120) -> "LocalService":
+    def start(self, timeout: float = 120) -> LocalService:
         """Start the process and wait until its readiness endpoint answers 200."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
