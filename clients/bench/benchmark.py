@@ -31,7 +31,7 @@ from .machine import resolve_device
 from .plots import plot_accuracy, plot_seeds
 from .protocol import augment_policy, format_matrix, run_once, stream_costs
 from .realtime import DEFAULT_COST_MODEL
-from .results import comparisons, group, load_results
+from .results import comparisons, group, load_results, write_result
 from .resume import CheckpointMismatch
 from .tables import (
     anytime_comparison_table,
@@ -86,8 +86,7 @@ def cmd_run(args) -> int:
         print(format_matrix(result["accuracy_matrix"]))
         if args.out:
             path = output_path(args.out, seed, len(args.seed) > 1)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2) + "\n")
+            write_result(path, result)
             print(f"wrote {path}")
         if checkpoint:
             checkpoint.unlink(missing_ok=True)  # the run is complete: nothing to resume

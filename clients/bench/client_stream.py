@@ -34,6 +34,7 @@ from clients.onnx_client import OnnxClassifier
 from .local_service import LocalService, real_jpegs
 from .machine import machine_description
 from .protocol import ANYTIME_POINTS
+from .results import write_result
 from .sweep import seeds as parse_seeds
 
 CLASSES_A_TASK = 2
@@ -145,8 +146,7 @@ def main(argv=None) -> int:
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(mean))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     return 0
 
 

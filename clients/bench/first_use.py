@@ -12,7 +12,6 @@ each run's top-1 accuracy, overall and by class, the settings and the command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -26,6 +25,7 @@ from clients.api import ServiceClient
 
 from .local_service import LocalService, real_jpegs
 from .machine import machine_description
+from .results import write_result
 from .sweep import seeds as parse_seeds
 
 CLASSES = 10
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
               "command": "python -m clients.bench.first_use " + shlex.join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
 import os
 import shutil
@@ -31,6 +30,8 @@ import numpy as np
 
 from learner.jpeg_structure import read_structure
 from learner.snapshot_format import MAX_COEFFICIENT_BYTES, MAX_SCANS
+
+from .results import write_result
 
 BODY_LIMIT = 1024 * 1024  # the service's default ASER_MAX_IMAGE_BYTES
 
@@ -200,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python -m clients.bench.image_costs " + " ".join(argv or sys.argv[1:]),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     return 0
 
 

@@ -36,6 +36,7 @@ from .benchmark import build_parser
 from .latents import encoded_dataset
 from .machine import machine_description
 from .protocol import run_once
+from .results import write_result
 
 CALIBRATION_PER_CLASS = 10
 
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                "machine": machine_description(torch.device("cpu")),
                "command": "python -m clients.bench.int8_frozen " + " ".join(sys.argv[1:] if argv is None else argv),
                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("cpu_ms_an_image", "int8_minus_fp32")}, indent=2))
     return 0
 

@@ -28,6 +28,7 @@ import torch
 from ..api import ServiceClient
 from .local_service import LocalService, real_jpegs
 from .machine import machine_description
+from .results import write_result
 
 LEARNER_ENV = {"ASER_BACKBONE": "lite0", "ASER_SNAPSHOT_INT8": "true", "ASER_SNAPSHOT_EVERY_STEPS": "0",
                "ASER_CHECKPOINT_EVERY_STEPS": "1000"}
@@ -117,8 +118,7 @@ def main(argv=None) -> int:
     result = measure(args)
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     return 0
 
 

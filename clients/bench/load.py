@@ -30,6 +30,7 @@ import httpx
 
 from ..api import ServiceClient
 from .local_service import LocalService, real_jpegs
+from .results import write_result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m clients.bench.load " + " ".join(argv if argv is not None else sys.argv[1:]),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -32,7 +32,6 @@ import torch
 
 from learner.catch_up import CHUNK, CatchUp
 
-
 # a run's own calibrations go here; the committed ones (results/) seed it and change only when named
 DEFAULT_COST_MODEL = ".cache/bench/cost-model.json"
 COMMITTED_COST_MODEL = Path("results/realtime/cost-model.json")

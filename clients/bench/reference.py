@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -30,6 +29,7 @@ from learner.data import CLASSES, load_dataset
 
 from .latents import encoded_dataset
 from .machine import machine_description
+from .results import write_result
 
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 MAX_ITERATIONS = 1000
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine_description(torch.device("cpu")),
               "command": "python -m clients.bench.reference " + " ".join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("average_accuracy", "accuracy_by_task", "l2", "train_accuracy")}))
     return 0
 

@@ -20,6 +20,12 @@ from learner.catch_up import MEMORY_SHARE
 from learner.metrics import average_accuracy, average_forgetting, mean_ci95
 
 
+def write_result(path: str | Path, result: dict) -> None:
+    """A result file: indented JSON, its folder made if missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def matrix_summary(matrix: list[list[float]], suffix: str = "") -> dict:
     """An accuracy matrix with its A_T and F_T (None with one evaluation), under the keys a result
     file uses (`suffix` "_ncm" for the nearest-class-mean classifier's).

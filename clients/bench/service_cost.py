@@ -44,6 +44,7 @@ from ..api import ServiceClient
 from .load import percentile
 from .local_service import LocalService, real_jpegs
 from .machine import machine_description
+from .results import write_result
 
 PER_CLASS = 60  # the slice's photos a class
 CAMERA = (640, 480)
@@ -76,7 +77,7 @@ class ProcessWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> "ProcessWatch":
+    def __enter__(self) -> ProcessWatch:
         self._thread.start()
         return self
 
@@ -301,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            result["parts"]["floor_ms"], 2)
     result["lag_bound"] = [lag_bound(tree, Path(args.cifar), env, rate, args.lag_seconds) for rate in args.rate]
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

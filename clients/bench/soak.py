@@ -37,6 +37,7 @@ import httpx
 
 from ..api import Retry, ServiceClient, ServiceError
 from .local_service import LocalService, real_jpegs
+from .results import write_result
 
 # ER-ACE as the committed soak results ran it (the options that now default on under er, pinned off)
 SOAK_ENV = {"ASER_METHOD": "er", "ASER_LOSS": "ace", "ASER_AUGMENT": "false", "ASER_ITERATIONS": "1",
@@ -170,8 +171,7 @@ def main(argv=None) -> int:
     print(f"answers {result['answers']}; check {result['check']}; database {first['database_bytes']} B when "
           f"retention began, {result['series'][-1]['database_bytes']} B at the end")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     fivexx = sum(n for code, n in result["answers"].items() if code.startswith("5") and code != "507")
     check = result["check"]
     ok = not (check["missing"] or check["moved"] or check["not_acknowledged"] or fivexx)

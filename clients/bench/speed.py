@@ -29,7 +29,6 @@ classes, the paper's K and N_c for it): what a run there costs before it is star
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -44,6 +43,8 @@ from learner import make_learner
 from learner.base import training_channels_last
 from learner.data import CLASSES
 from learner.model import ReducedResNet18
+
+from .results import write_result
 
 
 def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool = False, num_classes: int = 10):
@@ -238,8 +239,7 @@ def cmd_speed(args) -> int:
     suffix = (f"-{args.dataset}" if args.dataset != "cifar10" else "") + ("-bf16" if args.bf16 else "") + ("-bf16-latent" if args.bf16_latent else "") + \
         ("-compile" if args.compile else "")
     out = Path(args.out or f".cache/bench/speed-{device.type}{suffix}.json")  # results/ only when named
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(f"wrote {out}")
     return 0
 

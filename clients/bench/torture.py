@@ -41,6 +41,7 @@ import httpx
 
 from ..api import Retry, ServiceClient, ServiceError, new_id
 from .local_service import LocalService, real_jpegs
+from .results import write_result
 
 SERVICE_ENV = {"ASER_CHECKPOINT_EVERY_STEPS": "1", "ASER_SNAPSHOT_EVERY_STEPS": "2", "ASER_MEM_SIZE": "100",
                "ASER_MAX_BATCH_WAIT_S": "0.2"}
@@ -309,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(machine=machine_description(resolve_device("cpu")),
                   command="python -m clients.bench.torture " + " ".join(argv if argv is not None else sys.argv[1:]),
                   measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("kills", "samples_sent", "samples_trained", "problem_count", "passed")}))
     print(f"wrote {args.out}")
     return 0 if result["passed"] else 1
