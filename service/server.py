@@ -20,19 +20,19 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 256 * 1024  # blocks from this size are mapped on their own and unmapped when freed
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
 ARENAS = 2
 
 
 def bound_the_heap() -> bool:
-    """glibc's allocator as a long-running service on a small device wants it (before any thread
-    starts); elsewhere nothing. Returns whether it applied."""
+    """Two malloc arenas, not one a thread (before any thread starts): what a long-running service on
+    a small device wants from glibc. No fixed mmap threshold: mapping every tensor of a step apart
+    made a training step 1.45x its CPU (docs/operations.md, the C heap). Returns whether it applied."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_ARENA_MAX, ARENAS)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return bool(mallopt(M_ARENA_MAX, ARENAS))
 
 
 def with_header_timeout(header_timeout_s: float) -> type[H11Protocol]:
