@@ -2,8 +2,8 @@
 empty data directory receives a data set's training photos over HTTP (NDJSON `POST /samples`) task by
 task, two classes a task in the data set's order, the task's classes interleaved, as a device in the
 field would send them. Measured through `POST /predict` on `--test-per-class` held-out photos of
-every class seen so far: once each new class has sent 10 and 100 photos (the benchmark's anytime
-accuracy, `clients.bench.protocol.AnytimeProbe`), and at the end of each task. At the end: the head
+every class seen so far: once each new class has sent 10, 100 and 1000 photos (the benchmark's
+anytime accuracy, `clients.bench.protocol.AnytimeProbe`), and at the end of each task. At the end: the head
 the service serves (and its stream-measured choice), and the ONNX snapshot's parity with `/predict`
 (the same top-1 label on every test photo, the largest gap in its probability).
 
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class)
             for seed in parse_seeds(args.seeds)]
-    mean = {key: round(sum(r[key] for r in runs) / len(runs), 2) for key in ("final_accuracy",)}
-    mean["anytime"] = {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}
+    mean = {"final_accuracy": round(sum(r["final_accuracy"] for r in runs) / len(runs), 2),
+            "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}}
     result = {"data": Path(args.data).name, "train_per_class": args.train_per_class if args.train_per_class < LARGE
               else "all", "test_per_class": args.test_per_class, "env": env, "mean": mean, "runs": runs,
               "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
