@@ -307,13 +307,18 @@ def _file_number(tree: _Tree, file: str) -> int:
     return int(match.group(1))
 
 
+def held_out_by_number(number: int) -> bool:
+    """EuroSAT's shared split: a file numbered by a multiple of EUROSAT_TEST_EVERY is a test image."""
+    return number % EUROSAT_TEST_EVERY == 0
+
+
 def _numbered_split(tree: _Tree, name: str, files: list[list[str]], names: list[str]) -> ImageDataset:
     """Every class's files in the order of their number; those numbered by a multiple of
     EUROSAT_TEST_EVERY are the test set."""
     parts = {True: ([], []), False: ([], [])}
     for c, class_files in enumerate(files):
         for f in sorted(class_files, key=lambda f: _file_number(tree, f)):
-            held_out = _file_number(tree, f) % EUROSAT_TEST_EVERY == 0
+            held_out = held_out_by_number(_file_number(tree, f))
             parts[held_out][0].append(f)
             parts[held_out][1].append(c)
     (train, train_y), (test, test_y) = parts[False], parts[True]

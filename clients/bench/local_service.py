@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from learner.data import held_out_by_number
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,11 +44,10 @@ def real_jpegs(path: Path, n: int, split: str = "train", classes: list[str] | No
 
 
 def split_of(name: str) -> str:
-    """CIFAR-10's zip names its split; EuroSAT's ships none, and its README's rule holds: a file
-    whose number is a multiple of 5 is a test image (as learner.data splits it)."""
+    """CIFAR-10's zip names its split; EuroSAT's ships none, and learner.data's rule for it holds."""
     if "/train/" in name or "/test/" in name:
         return "train" if "/train/" in name else "test"
-    return "test" if file_number(name) % 5 == 0 else "train"
+    return "test" if held_out_by_number(file_number(name)) else "train"
 
 
 def file_number(name: str) -> int:
