@@ -14,6 +14,9 @@ from .conftest import CIFAR10_ZIP
 from .test_service import Server, wait_trained
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog"]
+# an old class of the third task answers 1-2% of its own images here (bird 2 and cat 3 of 40 in one run, cat 0 of
+# 40 in another): 200 images a class make "some of its own" a property of the model, not of the draw
+TEST_PER_CLASS = 200
 
 
 def images(split: str, per_class: int) -> dict[str, list[bytes]]:
@@ -23,7 +26,7 @@ def images(split: str, per_class: int) -> dict[str, list[bytes]]:
 
 
 def test_a_young_service_answers_the_classes_it_has_seen(tmp_path):
-    train, test = images("train", 150), images("test", 40)
+    train, test = images("train", 150), images("test", TEST_PER_CLASS)
     server = Server(tmp_path / "svc", mem_size=1000).start()  # the defaults: cb-sv-duel and its options
     try:
         sent = 0
@@ -45,9 +48,9 @@ def test_a_young_service_answers_the_classes_it_has_seen(tmp_path):
                 answers.update(top)
                 right += sum(t == c for t in top)
                 own[c] = sum(t == c for t in top)
-            accuracy, chance = right / (40 * len(seen)), 1 / len(seen)
+            accuracy, chance = right / (TEST_PER_CLASS * len(seen)), 1 / len(seen)
             answered = [c for c in seen if answers[c] > 0]
-            # 40 test images a class: one standard deviation of the accuracy is 4-8 points here
+            # one standard deviation of the accuracy over these images is 2-3 points
             assert accuracy > chance + 0.05 if task == 0 else accuracy > 1.3 * chance, (task, accuracy, answers)
             assert answered == seen, (task, answers)  # every class it has seen, the newest too
             assert all(own[c] > 0 for c in seen), (task, own)  # each for some of its own images
