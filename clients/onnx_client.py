@@ -1,7 +1,7 @@
 """Predict from a downloaded ONNX snapshot with onnxruntime alone (no torch, no service).
 
 The snapshot's metadata says everything needed: class labels in output order, input size,
-pixel layout (the format is `learner.snapshot_format`'s; importing it does not load
+pixel layout (the format is `learner.formats.snapshot`'s; importing it does not load
 torch, and it needs no HTTP package: onnxruntime, numpy and Pillow are all it imports). Image files are read by the service's own input rule (`read_image`: the formats and
 modes it accepts, EXIF orientation, the centre square brought to the input size). Every failure (a file that
 is missing or not ONNX, a model that is not one of our snapshots, an image that is not one, a
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from learner.snapshot_format import ImageRejected, OnnxSnapshot, fit_to_input, read_image, top_k
+from learner.formats.snapshot import ImageRejected, OnnxSnapshot, fit_to_input, read_image, top_k
 
 
 class SnapshotError(RuntimeError):

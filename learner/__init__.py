@@ -2,19 +2,19 @@
 Shapley Value" (Shim, Mai et al., AAAI 2021), as an online, one-batch-at-a-time learner.
 
 The names below load their modules (and torch) on first use, so that torch-free modules of
-the package (`learner.snapshot_format`) can be imported without torch.
+the package (`learner.formats.snapshot`) can be imported without torch.
 """
 
 from importlib import import_module
 
 _HOMES = {
-    "ContinualLearner": ".base",
-    "ReplayBuffer": ".buffer",
-    "ReducedResNet18": ".model",
-    "knn_shapley": ".shapley",
-    "make_learner": ".methods",
-    "METHODS": ".methods",
-    "PAPER_SETTINGS": ".methods",
+    "ContinualLearner": ".methods.base",
+    "ReplayBuffer": ".memory.buffer",
+    "ReducedResNet18": ".networks.reduced_resnet",
+    "knn_shapley": ".memory.shapley",
+    "make_learner": ".methods.registry",
+    "METHODS": ".methods.registry",
+    "PAPER_SETTINGS": ".methods.registry",
     "average_accuracy": ".metrics",
     "average_forgetting": ".metrics",
 }

@@ -73,8 +73,9 @@ def serve(make_app, what: str = "service", check=None) -> int:
 
 def main() -> int:
     from .app import create_app  # here, not above: the replica serves through this module without torch
+    from .lineage import check_learner
 
-    return serve(create_app, "service", Settings.check_learner)  # what a replica does not need
+    return serve(create_app, "service", check_learner)  # what a replica does not need
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from fastapi_offline import FastAPIOffline
 
 from . import __version__
 from .guard import WebPageGuard, allowed_hosts
+from .lineage import check_learner
 from .metrics import Metrics
 from .routers import dashboard, ingest, memory, operations, predict, snapshots
 from .routers.bodies import BodyModels
@@ -22,7 +23,7 @@ from .settings import Settings
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    settings.check_learner()
+    check_learner(settings)
     metrics = Metrics()
     models = BodyModels(settings)
 

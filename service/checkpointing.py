@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from learner.base import ContinualLearner
+from learner.methods.base import ContinualLearner
 
 from .checkpoints import CheckpointStore
 from .db import is_disk_full

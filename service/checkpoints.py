@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from learner.base import ContinualLearner
+from learner.methods.base import ContinualLearner
 
 from .db import Database
 from .durable import write_durably

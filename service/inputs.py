@@ -1,5 +1,5 @@
 """Validation of what clients send: images within the byte limit, read by the snapshot format's one
-input rule (`learner.snapshot_format.read_image`: accepted formats and modes, pixel and aspect
+input rule (`learner.formats.snapshot.read_image`: accepted formats and modes, pixel and aspect
 bounds from the header, whole data, EXIF orientation, the centre square brought to image_size;
 `strict` refuses any other size instead) into RGB uint8 [3, H, W]. Bad input is an InputError.
 No torch here: the inference replica decodes with it too."""
@@ -11,7 +11,7 @@ import binascii
 
 import numpy as np
 
-from learner.snapshot_format import ImageRejected, read_image
+from learner.formats.snapshot import ImageRejected, read_image
 
 
 class InputError(ValueError):

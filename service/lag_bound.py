@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from learner.base import ContinualLearner
 from learner.catch_up import CHUNK, CatchUp
+from learner.methods.base import ContinualLearner
 
 from .store import LogEntry, images_from_blobs
 

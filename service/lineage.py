@@ -3,8 +3,8 @@
 Each setting that decides how a lineage trains (LINEAGE_SETTINGS) is taken as set; else as the
 lineage already in the data directory was trained (its checkpoint's identity), so a directory made
 under an older release's defaults goes on as it was; else its default for the method and backbone
-chosen (TUNED_DEFAULTS, PRETRAINED_DEFAULTS). `Runtime.open` asks this once, beside the
-checkpoints, and passes the answer down: the settings stay plain data.
+chosen (TUNED_DEFAULTS, PRETRAINED_DEFAULTS). `describe_learner` asks this once at start-up, beside the
+checkpoints, and hands down the answer (a `LearnerSpec`): the settings stay plain data.
 
 >>> from service.settings import Settings
 >>> pretrained = Lineage.resolve(Settings(backbone="lite0"), None)  # the default backbone
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from learner.pretrained import POOLED
+from learner.networks.lite0 import POOLED
 
 from .settings import Settings
 
@@ -43,7 +43,7 @@ log = logging.getLogger("aser.worker")
 # the settings that decide how a lineage trains (its checkpoints' identity)
 LINEAGE_SETTINGS = ("backbone", "image_size", "cut", "latent_bits", "method", "step", "loss", "augment", "iterations",
                     "distill")
-# The learner's options where unset: on where the evidence earned it (docs/results.md). ER-ACE with the
+# The learner's options where unset: on where the evidence earned it (docs/results/options.md, docs/results/asers-memory.md). ER-ACE with the
 # stronger learner's three gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired
 # seeds, 2.1x ER's step); under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default,
 # but the moving average alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost), and
@@ -52,11 +52,11 @@ LINEAGE_SETTINGS = ("backbone", "image_size", "cut", "latent_bits", "method", "s
 OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False, "distill": 0.0}
 # The class-balanced KNN-SV memory (cb-sv-duel) takes ER's options: with them it is +13.39 ± 1.92 A_T (10 paired
 # seeds) over the previous default (sv-upd + ACE + EMA) at full length, level with the best (issue 36,
-# docs/results.md); its lean form is CBRS's update, as cheap as the reservoir's.
+# docs/results/asers-memory.md); its lean form is CBRS's update, as cheap as the reservoir's.
 ALL_OPTIONS = {**OPTIONS_OFF, "augment": True, "iterations": 2, "ema": 0.99, "lean_when_behind": True}
 TUNED_DEFAULTS = {"er": ALL_OPTIONS, "cb-sv-duel": ALL_OPTIONS,
                   "sv-upd": {**OPTIONS_OFF, "ema": 0.99, "lean_when_behind": True}}
-# On the pretrained backbone (docs/results.md, "Useful from the first images"): the memory holds latents, so no
+# On the pretrained backbone (docs/results/pretrained.md): the memory holds latents, so no
 # pixel augmentation; one iteration, the moving average and lr 0.01 as measured; 160 px by the input-size rule;
 # streaming LDA serves (80.0 A_T, 78.2 / 82.0 / 84.8 anytime, 5 seeds; the trained linear head 74.6), so the
 # memory-fitted logit bias, which corrects the trained head, is off.
@@ -112,7 +112,7 @@ class Lineage:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "taken")
 
     def check(self) -> None:
-        """What the combination allows (the method alone and the tokens are `Settings.check_learner`'s)."""
+        """What the combination allows (the method alone and the tokens are `check_learner`'s)."""
         if self.distill and not self.ema:
             raise ValueError("ASER_DISTILL needs a moving average to teach: set ASER_EMA")
         if self.backbone == "scratch" and self.head in ("slda", "chosen"):
@@ -126,7 +126,7 @@ class Lineage:
 
     @property
     def replay(self) -> bool:
-        from learner.methods import REPLAY_METHODS
+        from learner.methods.registry import REPLAY_METHODS
         return self.method in REPLAY_METHODS
 
     def replay_objective(self) -> dict:
@@ -191,7 +191,7 @@ def replay_batch_on(settings: Settings, device: str) -> int:
     """The replay batch as set, else 20 on a GPU and 10 on a CPU. Issue 37: 20 lifts the default by
     +2.73 ± 1.32 A_T at M=1000 (10 paired seeds), +2.58 ± 3.36 at M=500, +0.84 ± 4.35 at M=200 (5 each);
     on an H100 its step takes 0.98x the default's, on one CPU thread 1.40x (over 3x ER's step there: rule 5,
-    docs/results.md).
+    docs/results/past-one-pass.md).
 
     >>> replay_batch_on(Settings(), "cuda:0"), replay_batch_on(Settings(), "cpu")
     (20, 10)
@@ -203,39 +203,116 @@ def replay_batch_on(settings: Settings, device: str) -> int:
     return 20 if device.startswith("cuda") else 10
 
 
-def make_learner_of(lineage: Lineage, settings: Settings, device: str):
-    """The learner `lineage` names, with the settings' other knobs (memory size, KNN's k, the seed...)."""
+def resolve_device(name: str) -> str:
+    """ASER_DEVICE, with `auto` decided: a CUDA GPU where there is one."""
+    if name != "auto":
+        return name
     import torch
 
-    from learner import make_learner
-    from learner.backbone import make_backbone
-
-    shape = (3, lineage.image_size, lineage.image_size)
-    backbone = make_backbone(lineage.backbone, shape, lineage.image_size, lineage.cut, lineage.latent_bits)
-    return make_learner(lineage.method, num_classes=1, mem_size=settings.mem_size, k=settings.k,
-                        n_candidates=settings.n_candidates, per_class=settings.per_class,
-                        replay_batch=replay_batch_on(settings, device), lr=lineage.lr, **lineage.replay_objective(),
-                        **lineage.stronger_learner(), device=device, seed=settings.seed, image_shape=shape,
-                        latent_dtype=torch.bfloat16 if settings.latent_bf16 else None, serving_bn=settings.serving_bn,
-                        serving_bias=lineage.serving_bias, backbone=backbone,
-                        serving_head="slda" if lineage.head in ("slda", "chosen") else None,
-                        trained_head_from=trained_head_from(lineage, settings), choose_head=lineage.head == "chosen")
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def trained_head_from(lineage: Lineage, settings: Settings) -> int | None:
-    """ASER_TRAINED_HEAD_FROM, where the lineage serves streaming LDA (the only head it hands over from)."""
-    if settings.trained_head_from is not None and lineage.head != "slda":
-        raise ValueError(f"ASER_TRAINED_HEAD_FROM hands serving from streaming LDA to the trained head, but this "
-                         f"lineage serves ASER_HEAD={lineage.head}: set ASER_HEAD=slda (lite0's default) or unset it")
-    return settings.trained_head_from
+@dataclass(frozen=True)
+class LearnerSpec:
+    """Everything start-up decided about the learner: its lineage, the device, and the settings' other
+    knobs it is built with. What runs after start-up receives this, never the settings and a question."""
+
+    lineage: Lineage
+    device: str
+    mem_size: int
+    k: int | None
+    n_candidates: int | None
+    per_class: bool
+    replay_batch: int
+    seed: int
+    latent_bf16: bool
+    serving_bn: str
+    trained_head_from: int | None
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (3, self.lineage.image_size, self.lineage.image_size)
+
+    def build(self):
+        """A new learner as this describes it (its state comes from a checkpoint, or nowhere)."""
+        import torch
+
+        from learner import make_learner
+        from learner.networks.backbone import make_backbone
+
+        lineage, size = self.lineage, self.lineage.image_size
+        backbone = make_backbone(lineage.backbone, self.image_shape, size, lineage.cut, lineage.latent_bits)
+        return make_learner(lineage.method, num_classes=1, mem_size=self.mem_size, k=self.k,
+                            n_candidates=self.n_candidates, per_class=self.per_class, replay_batch=self.replay_batch,
+                            lr=lineage.lr, **lineage.replay_objective(), **lineage.stronger_learner(),
+                            device=self.device, seed=self.seed, image_shape=self.image_shape,
+                            latent_dtype=torch.bfloat16 if self.latent_bf16 else None, serving_bn=self.serving_bn,
+                            serving_bias=lineage.serving_bias, backbone=backbone,
+                            serving_head="slda" if lineage.head in ("slda", "chosen") else None,
+                            trained_head_from=self.trained_head_from, choose_head=lineage.head == "chosen")
+
+    def config(self) -> dict:
+        """The learner's configuration as `/status` shows it."""
+        lineage = self.lineage
+        return {"mem_size": self.mem_size, "k": self.k, "n_candidates": self.n_candidates,
+                "per_class": self.per_class, "seed": self.seed, "backbone": lineage.backbone,
+                "image_size": lineage.image_size, **lineage.backbone_settings(), "lr": lineage.lr,
+                "replay_batch": self.replay_batch, **lineage.replay_objective(), **lineage.stronger_learner(),
+                "head": lineage.head, **({"trained_head_from": n} if (n := self.trained_head_from) else {}),
+                "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias}
 
 
-def lineage_of(settings: Settings, checkpoints) -> Lineage:
-    """The learner the data directory holds: `settings`, going on as its lineage was trained where
-    they leave it open (an upgrade whose defaults differ); a restore is then checked against it."""
-    lineage = Lineage.resolve(settings, checkpoints.saved_identity())
+def describe_learner(settings: Settings, saved: dict[str, str] | None) -> LearnerSpec:
+    """The learner a data directory holds, asked once at start-up: `settings`, going on as its lineage
+    was trained (`saved`, the last checkpoint's identity) where they leave it open; a restore is then
+    checked against it.
+
+    >>> spec = describe_learner(Settings(backbone="scratch", device="cpu"), None)
+    >>> spec.lineage.method, spec.device, spec.replay_batch, spec.image_shape
+    ('cb-sv-duel', 'cpu', 10, (3, 32, 32))
+    """
+    lineage = Lineage.resolve(settings, saved)
     if lineage.taken:
         log.warning("the data directory's lineage was trained with %s, which this configuration does not set: "
                     "going on with them (set them to choose otherwise; another lineage needs an empty data "
                     "directory)", " ".join(f"ASER_{k.upper()}={getattr(lineage, k)}" for k in lineage.taken))
-    return lineage
+    if settings.trained_head_from is not None and lineage.head != "slda":
+        raise ValueError(f"ASER_TRAINED_HEAD_FROM hands serving from streaming LDA to the trained head, but this "
+                         f"lineage serves ASER_HEAD={lineage.head}: set ASER_HEAD=slda (lite0's default) or unset it")
+    device = resolve_device(settings.device)
+    return LearnerSpec(lineage, device, settings.mem_size, settings.k, settings.n_candidates, settings.per_class,
+                       replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
+                       settings.trained_head_from)
+
+
+def check_learner(settings: Settings) -> None:
+    """What a learner needs and a replica does not (a replica neither trains, imports torch, nor takes
+    writes): a known method, a combination its lineage allows, and a token that may send samples if any
+    is set.
+
+    >>> check_learner(Settings(method="icarl"))
+    Traceback (most recent call last):
+    ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
+    >>> check_learner(Settings(method="ewc"))  # ASER_LOSS's default (ace) is the replay methods'
+    >>> check_learner(Settings(method="ewc", loss="ce"))  # what EWC minimises anyway
+    >>> check_learner(Settings(method="ewc", loss="ace"))
+    Traceback (most recent call last):
+    ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the replay methods, not ewc
+    >>> check_learner(Settings(method="ewc", augment=True))
+    Traceback (most recent call last):
+    ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the replay methods, not ewc
+    """
+    from learner.methods.registry import METHODS, REPLAY_METHODS
+
+    if settings.method not in METHODS:
+        raise ValueError(f"unknown ASER_METHOD {settings.method!r}; choose one of {', '.join(METHODS)}")
+    chosen = {f: getattr(settings, f) for f in ("step", "loss", "augment", "iterations", "distill")
+              if f in settings.model_fields_set}
+    neutral = {("step", "joint"), ("loss", "ce"), ("augment", False), ("iterations", 1), ("distill", 0.0)}
+    if settings.method not in REPLAY_METHODS and chosen.items() - neutral:
+        raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the "
+                         f"replay methods, not {settings.method}")
+    describe_learner(settings, None)  # the combination as set (a data directory's lineage may fill in more)
+    if settings.read_token is not None and settings.write_token is None and settings.admin_token is None:
+        raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
+                         "ASER_ADMIN_TOKEN too")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from learner.base import ContinualLearner
+from learner.methods.base import ContinualLearner
 
 from .store import IngestLog, LogEntry, images_from_blobs
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from learner.snapshot_format import OnnxSnapshot, top_k
+from learner.formats.snapshot import OnnxSnapshot, top_k
 
 from .errors import NoSnapshotYet
 from .guard import WebPageGuard, allowed_hosts

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .batching import PredictBatcher
 from .checkpoints import CheckpointStore
 from .db import Database
-from .lineage import lineage_of
+from .lineage import describe_learner
 from .metrics import Metrics
 from .retention import Retention, RetentionPolicy
 from .settings import Settings
@@ -37,9 +37,9 @@ class Runtime:
     def open(cls, settings: Settings, metrics: Metrics) -> "Runtime":
         db = Database(settings.database_path)
         checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
-        lineage = lineage_of(settings, checkpoints)  # read once: the restore reuses what it read
-        store = IngestLog(db, (3, lineage.image_size, lineage.image_size))
-        worker = LearnerWorker(settings, db, store, metrics, lineage, checkpoints)
+        spec = describe_learner(settings, checkpoints.saved_identity())  # read once: the restore reuses what it read
+        store = IngestLog(db, spec.image_shape)
+        worker = LearnerWorker(settings, db, store, spec, checkpoints, metrics)
         worker.start()
         batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
                                  settings.predict_max_batch, on_batch=metrics.predict_batch.observe)

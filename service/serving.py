@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.base import ContinualLearner
-from learner.head_choice import compose
-from learner.ncm import ncm_head
+from learner.heads.head_choice import compose
+from learner.heads.ncm import ncm_head
+from learner.methods.base import ContinualLearner
 
 from .checkpoints import VersionLease
 from .errors import StorageFull
@@ -46,7 +46,7 @@ class Predictor:
     normalize: bool = False  # the head takes unit-norm features (the NCM head)
     streams: bool = False  # a streaming head on the frozen features answers (`ContinualLearner.streams`)
     # under a measured choice (`ContinualLearner.served_choice`): streaming LDA's rows on the frozen features, each
-    # class's head (`learner.head_choice.CANDIDATES`) and what the stream measured of each (`HeadChoice.summary`)
+    # class's head (`learner.heads.head_choice.CANDIDATES`) and what the stream measured of each (`HeadChoice.summary`)
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None
     choice: torch.Tensor | None = None
     choice_summary: dict | None = None
@@ -54,7 +54,7 @@ class Predictor:
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
                      ncm: tuple[torch.Tensor, torch.Tensor] | None = None, solve: bool = True) -> "Predictor":
-        """The learner's served head, or `ncm` (`learner.ncm.ncm_head`) on unit-norm features; `solve`: the
+        """The learner's served head, or `ncm` (`learner.heads.ncm.ncm_head`) on unit-norm features; `solve`: the
         streaming head solved again where due (else as solved last)."""
         weight, bias = ncm if ncm is not None else learner.served_head(solve)
         # classes ingested but not yet trained on have no head row yet; they are not answered

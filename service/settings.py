@@ -1,18 +1,8 @@
-"""All service settings in one place: environment variables prefixed ASER_, or a .env file.
+"""All service settings in one place: environment variables prefixed ASER_, or a .env file. Plain validated
+data: which learner they make with a data directory is answered once, at start-up, by `service.lineage`.
 
 >>> Settings(method="er").method
 'er'
->>> Settings(method="icarl").check_learner()
-Traceback (most recent call last):
-ValueError: unknown ASER_METHOD 'icarl'; choose one of ...
->>> Settings(method="ewc").check_learner()  # ASER_LOSS's default (ace) is the replay methods'
->>> Settings(method="ewc", loss="ce").check_learner()  # what EWC minimises anyway
->>> Settings(method="ewc", loss="ace").check_learner()
-Traceback (most recent call last):
-ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the replay methods, not ewc
->>> Settings(method="ewc", augment=True).check_learner()
-Traceback (most recent call last):
-ValueError: ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the replay methods, not ewc
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from learner.catch_up import MEMORY_SHARE
 
-POOLED_CUT = 17  # learner.pretrained.POOLED, written here: the replica reads these settings without torch
+POOLED_CUT = 17  # learner.networks.lite0.POOLED, written here: the replica reads these settings without torch
 
 
 class Settings(BaseSettings):
@@ -43,7 +33,7 @@ class Settings(BaseSettings):
     # the lower-valued of two random members of the class leaves), random retrieval, the ACE loss and a moving
     # average, the paper's CIFAR-10 settings; from scratch also augmentation and 2 iterations (TUNED_DEFAULTS), on
     # the pretrained backbone streaming LDA serving (PRETRAINED_DEFAULTS, `service.lineage`). The backbone is
-    # EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results.md's rule 4: +17.7 A_T and +26.9 at ten
+    # EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results/pretrained.md, rule 4: +17.7 A_T and +26.9 at ten
     # images of a new class over the from-scratch default, at its CPU cost). What a data directory's lineage was
     # trained with goes on where these leave it unset: a directory made from scratch goes on from scratch.
     method: str = "cb-sv-duel"
@@ -53,7 +43,7 @@ class Settings(BaseSettings):
                                                   "paper's reduced ResNet18 from random weights on 32x32 pixels "
                                                   "(the research protocol)")
     image_size: int | None = Field(None, ge=8, le=512, description="the side every image is brought to (the one "
-                                   "input rule; unset: 32 from scratch, 160 on lite0, by docs/results.md's rule)")
+                                   "input rule; unset: 32 from scratch, 160 on lite0, by the rule in docs/results/pretrained.md)")
     cut: int = Field(POOLED_CUT, ge=0, le=POOLED_CUT, description="lite0: the first trainable block (17: only the linear "
                      "head trains on the pooled features; 11: the last two stages too)")
     latent_bits: int = Field(16, description="lite0: the memory's latents in fp16 (16), or 8 bits (pooled only)")
@@ -61,7 +51,7 @@ class Settings(BaseSettings):
     batch_size: int = Field(10, ge=1)
     replay_batch: int | None = Field(None, ge=0, description="memory samples replayed a step (unset: 20 on a GPU, "
                                      "where it costs no more than 10 and learns more, 10 on a CPU, where it costs "
-                                     "1.4x the step: docs/results.md, issue 37)")
+                                     "1.4x the step: docs/results/past-one-pass.md)")
     k: int = Field(3, ge=1)
     n_candidates: int = Field(90, ge=1)
     per_class: int = Field(9, ge=1, description="S_sub and retrieval candidates per class (N_c / classes)")
@@ -84,7 +74,7 @@ class Settings(BaseSettings):
                                   "teaches, a distillation term of this weight (unset: 0, off)")
     serving_bn: Literal["average", "memory"] = Field("average", description="the served BatchNorm statistics: the "
                                                      "moving average's, or recomputed on the memory")
-    # on by default (docs/results.md, "A young service"): without it a young service never answers its
+    # on by default (docs/results/past-one-pass.md): without it a young service never answers its
     # newest classes (0 of 5 seeds after its third task; 5 of 5 with it, +4.17 +- 3.10 points)
     serving_bias: bool | None = Field(None, description="serve with a logit bias per class fitted on the memory "
                                       "(unset: on from scratch; off on lite0, where streaming LDA serves)")
@@ -95,7 +85,7 @@ class Settings(BaseSettings):
         None, description="what predictions and snapshots answer with: the trained softmax head, nearest class mean "
         "on the memory's features, (lite0) streaming LDA on the frozen features, which every sample reaches, or "
         "(lite0) chosen: each class by the head the stream measures best on it, streaming LDA, the trained top or "
-        "their mean (learner.head_choice) (unset: softmax from scratch, slda on lite0)")
+        "their mean (learner.heads.head_choice) (unset: softmax from scratch, slda on lite0)")
     trained_head_from: int | None = Field(None, ge=1, description="with ASER_HEAD=slda: the trained head serves "
                                           "(and snapshots export it) once every class seen has this many samples, "
                                           "streaming LDA while any is younger (unset: streaming LDA always)")
@@ -187,27 +177,6 @@ class Settings(BaseSettings):
     write_token: SecretStr | None = None
     read_token: SecretStr | None = None
     admin_token: SecretStr | None = None
-
-    def check_learner(self) -> None:
-        """What a learner needs and a replica does not (a replica neither trains, imports torch,
-        nor takes writes): a known method, and a token that may send samples if any is set."""
-        from learner.methods import METHODS, REPLAY_METHODS
-
-        if self.method not in METHODS:
-            raise ValueError(f"unknown ASER_METHOD {self.method!r}; choose one of {', '.join(METHODS)}")
-        chosen = {f: getattr(self, f) for f in ("step", "loss", "augment", "iterations", "distill")
-                  if f in self.model_fields_set}
-        neutral = {("step", "joint"), ("loss", "ce"), ("augment", False), ("iterations", 1), ("distill", 0.0)}
-        if self.method not in REPLAY_METHODS and chosen.items() - neutral:
-            raise ValueError("ASER_STEP, ASER_LOSS, ASER_AUGMENT, ASER_ITERATIONS and ASER_DISTILL apply to the "
-                             f"replay methods, not {self.method}")
-        from .lineage import Lineage, trained_head_from
-
-        # the combination as set (a data directory's lineage may fill in more)
-        trained_head_from(Lineage.resolve(self, None), self)
-        if self.read_token is not None and self.write_token is None and self.admin_token is None:
-            raise ValueError("ASER_READ_TOKEN alone would let nobody send samples: set ASER_WRITE_TOKEN or "
-                             "ASER_ADMIN_TOKEN too")
 
     @property
     def database_path(self) -> Path:

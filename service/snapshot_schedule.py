@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from learner.base import ContinualLearner
+from learner.methods.base import ContinualLearner
 
 from .errors import NoClassesYet
 from .serving import Predictor

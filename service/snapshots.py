@@ -2,7 +2,7 @@
 
 A snapshot is the eval-mode network from uint8 RGB pixels to logits (the scaling to [0, 1]
 is inside the graph), with the head cut to the classes it has learned (and not forgotten). Its format (graph I/O,
-metadata keys) is `learner.snapshot_format`'s, so `clients.onnx_client` and the replica predict
+metadata keys) is `learner.formats.snapshot`'s, so `clients.onnx_client` and the replica predict
 from the file alone. Files are written under a temporary name,
 fsynced and renamed, then recorded in the `snapshots` table; a crash leaves no half file listed.
 
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.backbone import ScratchBackbone, backbone_of
-from learner.base import ContinualLearner
-from learner.head_choice import CANDIDATES, compose
-from learner.snapshot_format import INPUT_NAME, OUTPUT_NAME, metadata_props
+from learner.formats.snapshot import INPUT_NAME, OUTPUT_NAME, metadata_props
+from learner.heads.head_choice import CANDIDATES, compose
+from learner.methods.base import ContinualLearner
+from learner.networks.backbone import ScratchBackbone, backbone_of
 
 from . import __version__
 from .db import Database
@@ -50,8 +50,8 @@ class PixelsToLogits(nn.Module):
     network; on the pretrained backbone the frozen part, the latent as stored and the top (or, with
     `frozen_features`, the frozen network's own features, which a streaming head reads). The head is
     the model's own or a given one (`head`: weight, bias), on unit-norm features with `normalize`
-    (the memory's class means, `learner.ncm.ncm_head`). With `stream_head` and `choice` (a measured
-    choice, `learner.head_choice`): the frozen part once, the top's head and streaming LDA's on the
+    (the memory's class means, `learner.heads.ncm.ncm_head`). With `stream_head` and `choice` (a measured
+    choice, `learner.heads.head_choice`): the frozen part once, the top's head and streaming LDA's on the
     frozen features, each class's probability from its head, renormalised; the logits are their logarithms."""
 
     def __init__(self, model: nn.Module, rows: list[int], head: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -94,7 +94,7 @@ def _rows(weight: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> nn.Linea
 
 def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: dict) -> None:
     """Write `net` as ONNX to `path`, with `classes` (its outputs, in order) and `metadata`. The
-    TorchScript tracer, as for the learner's frozen part (`learner.frozen_runtime`): these networks have no
+    TorchScript tracer, as for the learner's frozen part (`learner.networks.frozen_runtime`): these networks have no
     control flow, and it exports Lite0 in 0.5 CPU s where torch.export takes 7 (the same graph's answers
     within 1e-5), which a small device pays at every new class."""
     import onnx
@@ -129,7 +129,7 @@ class ExportJob:
     normalize: bool = False  # the head takes unit-norm features
     frozen_features: bool = False  # the head reads the frozen network's features (a streaming head)
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None  # a measured choice: streaming LDA's head...
-    choice: list[int] | None = None  # ... and each class's head (`learner.head_choice.CANDIDATES`)
+    choice: list[int] | None = None  # ... and each class's head (`learner.heads.head_choice.CANDIDATES`)
     calibration: np.ndarray | None = None  # uint8 recent images: also an int8 variant (`quantise_snapshot`)
     min_agreement: float = 1.0  # ... kept when its top-1 agrees with the fp32 graph on this share of them
 
@@ -166,7 +166,7 @@ def quantise_snapshot(fp32: Path, int8: Path, images: np.ndarray) -> float:
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from learner.snapshot_format import OnnxSnapshot
+    from learner.formats.snapshot import OnnxSnapshot
 
     calibrate, held_out = images[0::2], images[1::2]
 

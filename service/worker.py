@@ -32,14 +32,14 @@ from concurrent.futures import Future
 
 import torch
 
-from learner.base import ContinualLearner
+from learner.methods.base import ContinualLearner
 
 from .checkpointing import Checkpointing
 from .checkpoints import CheckpointStore, VersionLease
 from .db import Database
 from .forgetting import ForgetRequests
 from .lag_bound import LagBound
-from .lineage import Lineage, lineage_of, make_learner_of
+from .lineage import LearnerSpec, describe_learner
 from .metrics import Metrics
 from .online import History, HistoryRecorder, OnlineAccuracy
 from .quarantine import PoisonGuard, fails_alone
@@ -52,24 +52,19 @@ from .store import IngestLog, LogEntry, images_from_blobs
 log = logging.getLogger("aser.worker")
 
 
-def resolve_device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
-
 class LearnerWorker:
-    """`checkpoints` and `lineage`: the data directory's checkpoint store and the learner it holds
-    (`service.lineage`, resolved from them), made here when not given."""
+    """`spec`: the learner the data directory holds, as start-up described it (`service.lineage`);
+    `checkpoints`: that directory's checkpoint store (`open` makes both)."""
 
-    def __init__(self, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None,
-                 lineage: Lineage | None = None, checkpoints: CheckpointStore | None = None):
+    def __init__(self, settings: Settings, db: Database, store: IngestLog, spec: LearnerSpec,
+                 checkpoints: CheckpointStore, metrics: Metrics | None = None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.store = store
-        self.device = resolve_device(settings.device)
-        self.checkpoints = checkpoints or CheckpointStore(db, settings.data_dir / "checkpoints")
-        self.lineage = lineage or lineage_of(settings, self.checkpoints)
+        self.spec, self.lineage, self.device = spec, spec.lineage, spec.device
+        self.checkpoints = checkpoints
         self.checkpoints.identity = self.lineage.identity()
-        self.image_shape = (3, self.lineage.image_size, self.lineage.image_size)
+        self.image_shape = spec.image_shape
         self.versions = VersionLease(db)
         self.lag = LagBound(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size,
                             self.lineage.lean_when_behind)
@@ -95,6 +90,12 @@ class LearnerWorker:
         self.error: BaseException | None = None  # set only if the thread itself ends abnormally
         self._load()
 
+    @classmethod
+    def open(cls, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None):
+        """The worker of the learner `settings` make with the data directory's checkpoints."""
+        checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        return cls(settings, db, store, describe_learner(settings, checkpoints.saved_identity()), checkpoints, metrics)
+
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
@@ -114,7 +115,7 @@ class LearnerWorker:
         return self._thread.is_alive()
 
     def _build_learner(self) -> ContinualLearner:
-        return make_learner_of(self.lineage, self.settings, self.device)
+        return self.spec.build()
 
     def _load(self) -> None:
         """(Re)start from the last committed checkpoint."""

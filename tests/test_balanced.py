@@ -1,4 +1,4 @@
-"""The class-balanced memory (`learner.balanced`) on real CIFAR-10 images: balance, CBRS's odds,
+"""The class-balanced memory (`learner.memory.balanced`) on real CIFAR-10 images: balance, CBRS's odds,
 the value rules against `knn_shapley` by hand, and the bound on stale features."""
 
 import math
@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-import learner.balanced as balanced
+import learner.memory.balanced as balanced
 from learner import make_learner
-from learner.balanced import VICTIM_RULES, ClassBalancedUpdate, refresh_stale
-from learner.buffer import ReplayBuffer
 from learner.data import task_batches
-from learner.latent import Latent
-from learner.policy import StepContext
-from learner.shapley import knn_shapley
+from learner.memory.balanced import VICTIM_RULES, ClassBalancedUpdate, refresh_stale
+from learner.memory.buffer import ReplayBuffer
+from learner.memory.latent import Latent
+from learner.memory.policy import StepContext
+from learner.memory.shapley import knn_shapley
 
 
 def colour_features(images: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ def test_asv_on_the_balanced_memory_scores_features_within_the_bound(cifar10_sli
     """cb-aser (ASV retrieval on the duel memory, 2 iterations a batch): every memory feature it
     scores comes from weights at most `feature_max_age` optimizer steps old, and with a bound of 6
     it forwards far fewer images than with fresh features (0). The paper's ASER ignores the bound."""
-    import learner.latent as latent
+    import learner.memory.latent as latent
 
     ages = []
     original = latent.Latent.of

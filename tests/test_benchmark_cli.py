@@ -7,7 +7,7 @@ import torch
 
 from clients.bench.benchmark import main
 from clients.bench.speed import _learner_step
-from learner.methods import PAPER_SETTINGS
+from learner.methods.registry import PAPER_SETTINGS
 
 from .conftest import CIFAR10_ZIP
 

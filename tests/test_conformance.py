@@ -1,8 +1,8 @@
 """One contract every learner keeps, in the habit of river's estimator checks: every method of
-`learner.methods`, plain and with the stronger learner's options (ACE + augmentation + 2 iterations
+`learner.methods.registry`, plain and with the stronger learner's options (ACE + augmentation + 2 iterations
 + a moving average that teaches by distillation and is served with BatchNorm statistics recomputed
 on the memory), on real CIFAR-10 images; the stronger augmentation on a memory of each kind; the
-pretrained backbone (`learner.backbone`) under memories of each kind, a trainable top above a cut
+pretrained backbone (`learner.networks.backbone`) under memories of each kind, a trainable top above a cut
 serving streaming LDA, and 8-bit pooled latents (the streaming-head methods run on it alone).
 
 - a seed reproduces it bit for bit;
@@ -17,16 +17,15 @@ That each method learns a first task above chance on real images is
 """
 
 import io
+from functools import lru_cache
 
 import pytest
 import torch
 
-from functools import lru_cache
-
 from learner import METHODS, make_learner
-from learner.backbone import PretrainedBackbone
-from learner.methods import REPLAY_METHODS, STREAM_HEAD_METHODS
-from learner.pretrained import POOLED
+from learner.methods.registry import REPLAY_METHODS, STREAM_HEAD_METHODS
+from learner.networks.backbone import PretrainedBackbone
+from learner.networks.lite0 import POOLED
 
 STREAM_METHODS = [m for m in METHODS if not m.startswith("iid")]
 OPTIONS = {

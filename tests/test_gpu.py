@@ -125,8 +125,8 @@ def test_policies_and_objectives_give_the_cpus_results_on_the_gpu(cifar10_slice,
 
 
 def test_knn_shapley_and_augmentation_match_on_the_gpu(cifar10_slice):
-    from learner.augment import BatchAugment
-    from learner.shapley import knn_shapley
+    from learner.memory.shapley import knn_shapley
+    from learner.methods.augment import BatchAugment
 
     g = torch.Generator().manual_seed(0)
     cand, ev = torch.randn(90, 160, generator=g), torch.randn(20, 160, generator=g)
@@ -141,7 +141,7 @@ def test_the_pretrained_backbone_steps_on_the_gpu_as_on_the_cpu(cifar10_slice):
     """EfficientNet-Lite0 frozen below cut 11, the duel memory of latents, streaming LDA handing over to
     the trained top: from one state and the same batch, the same latents stored, the same memory and
     streaming statistics afterwards (float tolerance), logits as close as the step allows."""
-    from learner.backbone import PretrainedBackbone
+    from learner.networks.backbone import PretrainedBackbone
 
     x, y = cifar10_slice.train_x, cifar10_slice.train_y
     order = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))[:220]

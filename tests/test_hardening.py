@@ -347,7 +347,7 @@ def test_images_of_any_size_are_fitted_by_one_rule_everywhere(tmp_path, jpegs):
     from PIL import Image
 
     from clients.onnx_client import OnnxClassifier
-    from learner.snapshot_format import RESIZE_RULE, read_image
+    from learner.formats.snapshot import RESIZE_RULE, read_image
 
     photos = real_photos(tmp_path)
     server = Server(tmp_path / "svc").start()

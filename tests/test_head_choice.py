@@ -1,4 +1,4 @@
-"""The stream chooses which head answers (`learner.head_choice`, ASER_HEAD=chosen): each candidate head is
+"""The stream chooses which head answers (`learner.heads.head_choice`, ASER_HEAD=chosen): each candidate head is
 scored on every incoming batch before the learner trains on it, and the served answer takes each class
 from its head, alike in the learner, in the service's predictor and in the ONNX snapshot, and after a
 resume. Real weights, real CIFAR-10 images."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from learner import make_learner
-from learner.backbone import PretrainedBackbone
-from learner.head_choice import CANDIDATES, compose
+from learner.heads.head_choice import CANDIDATES, compose
+from learner.networks.backbone import PretrainedBackbone
 from service.serving import Predictor
 from service.snapshots import PixelsToLogits, export_onnx
 

@@ -1,4 +1,4 @@
-"""The one input rule (`learner.snapshot_format.read_image`) on real and hostile images: what it
+"""The one input rule (`learner.formats.snapshot.read_image`) on real and hostile images: what it
 refuses before decoding, what camera formats it reads, and that the service and the ONNX client
 apply the same rule."""
 
@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from clients.bench.image_costs import band_script, jpegtran_scans, lying_jpeg, repeat_last_scan, textured
-from learner.jpeg_structure import read_structure
-from learner.snapshot_format import MAX_PIXELS, MAX_SCANS, ImageRejected, read_image
+from learner.formats.jpeg_structure import read_structure
+from learner.formats.snapshot import MAX_PIXELS, MAX_SCANS, ImageRejected, read_image
 
 from .conftest import CIFAR10_ZIP, MINI_ZIP
 from .test_service import Server, b64, status, wait_trained

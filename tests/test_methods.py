@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from learner import METHODS, make_learner
-from learner.backbone import PretrainedBackbone
-from learner.methods import REPLAY_METHODS, STREAM_HEAD_METHODS, lean_method
 from learner.data import task_batches, task_test_set
+from learner.methods.registry import REPLAY_METHODS, STREAM_HEAD_METHODS, lean_method
+from learner.networks.backbone import PretrainedBackbone
 
 STREAM_METHODS = [m for m in METHODS if not m.startswith("iid")]
 

@@ -8,8 +8,8 @@ import torch
 from torch.nn import functional as F
 
 from learner import make_learner
-from learner.ncm import NearestClassMean, memory_ncm
-from learner.objective import ReplayObjective
+from learner.heads.ncm import NearestClassMean, memory_ncm
+from learner.methods.objective import ReplayObjective
 
 
 def two_batches(data):

@@ -1,16 +1,23 @@
 """Contracts of the replay buffer and of each update and retrieval policy."""
 
-import torch
 import pytest
+import torch
 
 from learner import make_learner
-from learner.buffer import ReplayBuffer
-from learner.latent import Latent
-from learner.policy import StepContext
-from learner.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
-from learner.sampling import class_balanced_sample
-from learner.shapley import knn_shapley
-from learner.update import KNNShapleyUpdate, ReservoirUpdate
+from learner.memory.buffer import ReplayBuffer
+from learner.memory.latent import Latent
+from learner.memory.policy import StepContext
+from learner.memory.retrieval import (
+    ASVRetrieval,
+    DistRetrieval,
+    MIRRetrieval,
+    OldClassesBy,
+    RandomRetrieval,
+    WithinClassesBy,
+)
+from learner.memory.sampling import class_balanced_sample
+from learner.memory.shapley import knn_shapley
+from learner.memory.update import KNNShapleyUpdate, ReservoirUpdate
 
 
 def point_extract(images):

@@ -16,9 +16,9 @@ from PIL import Image
 
 from clients.bench.benchmark import main
 from learner import make_learner
-from learner.backbone import PretrainedBackbone
-from learner.pretrained import POOLED, load_lite0
-from learner.streaming import YOUNG_CLASS, StreamingLDA, make_head
+from learner.heads.streaming_lda import YOUNG_CLASS, StreamingLDA, make_head
+from learner.networks.backbone import PretrainedBackbone
+from learner.networks.lite0 import POOLED, load_lite0
 
 from .conftest import CIFAR10_ZIP, MINI_ZIP, ROOT
 
@@ -51,7 +51,7 @@ def test_the_imagenet_weights_answer_like_an_imagenet_classifier():
 
 @pytest.mark.parametrize("cut", [11, POOLED])
 def test_onnxruntime_runs_the_frozen_part_as_pytorch_does_on_real_photos(cut):
-    # the learner's frozen part runs in onnxruntime (learner.frozen_runtime); PyTorch's eager forward is the reference
+    # the learner's frozen part runs in onnxruntime (learner.networks.frozen_runtime); PyTorch's eager forward is the reference
     images, _ = mini_imagenet_sample(per_class=1)
     backbone = PretrainedBackbone(input_size=160, cut=cut)
     stored, features = backbone.encode_with_features(images)

@@ -175,7 +175,7 @@ def worker_for(tmp_path, data, n: int, **overrides) -> LearnerWorker:
     store = IngestLog(db, (3, 32, 32))
     names = data.class_names
     store.append([NewSample(names[int(data.train_y[i])], pixels(data, i)) for i in range(n)], 10)
-    return LearnerWorker(settings, db, store)
+    return LearnerWorker.open(settings, db, store)
 
 
 def until(predicate, timeout=60):
@@ -189,7 +189,7 @@ def test_a_failed_step_restarts_from_the_checkpoint_and_retrains(tmp_path, cifar
     """The 5th step fails after changing the weights (a half-applied step): the worker drops that
     learner, restores the checkpoint of step 4 and trains on from there; every sample ends up in
     the lineage exactly once."""
-    from learner.replay import ReplayLearner
+    from learner.methods.replay import ReplayLearner
 
     worker = worker_for(tmp_path, cifar10_slice, 40, checkpoint_every_steps=2)
     real, calls = ReplayLearner.observe, []
@@ -213,7 +213,7 @@ def test_a_failed_step_restarts_from_the_checkpoint_and_retrains(tmp_path, cifar
 def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, monkeypatch):
     """SIGTERM arriving while a step fails: the half-applied learner is not checkpointed, so the
     next start resumes from the last good checkpoint and trains that batch once."""
-    from learner.replay import ReplayLearner
+    from learner.methods.replay import ReplayLearner
 
     worker = worker_for(tmp_path, cifar10_slice, 20, checkpoint_every_steps=1)
     real, calls = ReplayLearner.observe, []
@@ -234,7 +234,7 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     assert latest["steps"] == 2 and latest["trained_upto"] == 10  # not the half-applied third step
 
     monkeypatch.setattr(ReplayLearner, "observe", real)
-    again = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)
+    again = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)
     assert again.predictor.samples_trained == 10 and again.trained_upto == 10
     again.start()
     until(lambda: again.predictor.samples_trained == 20)
@@ -271,13 +271,13 @@ def test_a_restart_never_serves_a_model_version_again(tmp_path, cifar10_slice):
     while worker.train_available():
         seen.append(worker.predictor.version)
     assert worker.checkpoints.latest() is None and len(set(seen)) == len(seen) == 4
-    again = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)  # the crash: nothing more written
+    again = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)  # the crash: nothing more written
     assert again.predictor.samples_trained == 0 and again.predictor.version > max(seen)
     while again.train_available():
         seen.append(again.predictor.version)
     assert again.predictor.samples_trained == 20 and seen == sorted(set(seen))
     again.checkpoint()
-    third = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)  # a clean restart: the same model,
+    third = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)  # a clean restart: the same model,
     assert third.predictor.steps == 4 and third.predictor.version > max(seen)   # a new number
 
 
@@ -291,7 +291,7 @@ def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar
     loads = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
-    again = LearnerWorker(worker.settings, worker.checkpoints.db, worker.store)
+    again = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)
     assert again.trained_upto == 20 and again.learner.steps == 4 and len(again.learner.buffer) == 0
     assert [p.name for p in loads] == [worker.checkpoints.latest()["file"]]
 
@@ -307,7 +307,7 @@ def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp
     made_by = "ASER_METHOD=er ASER_STEP=joint ASER_LOSS=ace ASER_AUGMENT=True ASER_ITERATIONS=2"  # er's defaults
     for other in ({"method": "aser-mu"}, {"loss": "ce"}):
         with pytest.raises(IncompatibleCheckpoint, match=made_by):
-            LearnerWorker(worker.settings.model_copy(update=other), worker.checkpoints.db, worker.store)
+            LearnerWorker.open(worker.settings.model_copy(update=other), worker.checkpoints.db, worker.store)
 
     env = {**os.environ, "ASER_DATA_DIR": str(tmp_path), "ASER_METHOD": "aser-mu", "ASER_PORT": str(free_port())}
     service = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=120)
@@ -325,7 +325,7 @@ def test_a_data_directory_goes_on_as_its_lineage_was_trained_where_the_settings_
     until(lambda: worker.predictor.samples_trained == 10)
     worker.stop()
     left_open = Settings(data_dir=tmp_path, mem_size=30, batch_size=5, max_batch_wait_s=0, snapshot_every_steps=0)
-    again = LearnerWorker(left_open, worker.checkpoints.db, worker.store)
+    again = LearnerWorker.open(left_open, worker.checkpoints.db, worker.store)
     assert {k: getattr(again.lineage, k) for k in old} == old and again.trained_upto == 10
     assert again.lineage.taken == ("method", "backbone", "loss", "augment", "iterations")  # lite0 is the default now
     assert again.learner.objective.loss == "ce" and again.learner.augment is None and again.learner.iterations == 1

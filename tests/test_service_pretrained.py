@@ -183,10 +183,11 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
     """ASER_TRAINED_HEAD_FROM=N: streaming LDA answers while a class has fewer than N samples, the trained
     head once every class has N, in /predict and in the snapshot alike; a new class hands back."""
     from clients.onnx_client import OnnxClassifier
+    from service.lineage import check_learner
     from service.settings import Settings
 
     with pytest.raises(ValueError, match="ASER_TRAINED_HEAD_FROM"):
-        Settings(backbone="scratch", trained_head_from=TRAIN_A_CLASS).check_learner()
+        check_learner(Settings(backbone="scratch", trained_head_from=TRAIN_A_CLASS))
     server.stop()
     server.env["ASER_TRAINED_HEAD_FROM"] = str(TRAIN_A_CLASS)  # every class left has had that many
     server.start()
@@ -214,10 +215,11 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     """ASER_HEAD=chosen: each head is scored on every batch before its step; /status gives what each
     measured and which answers each class; the snapshot exports that answer and says so."""
     from clients.onnx_client import OnnxClassifier
+    from service.lineage import check_learner
     from service.settings import Settings
 
     with pytest.raises(ValueError, match="ASER_HEAD=chosen"):
-        Settings(backbone="scratch", head="chosen").check_learner()
+        check_learner(Settings(backbone="scratch", head="chosen"))
     server.stop()
     server.env["ASER_HEAD"] = "chosen"
     server.start()

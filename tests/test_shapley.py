@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner import knn_shapley
-from learner.shapley import order_by_distance
+from learner.memory.shapley import order_by_distance
 
 
 def shapley_by_enumeration(ev, ev_y, cand, cand_y, k):

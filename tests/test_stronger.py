@@ -10,10 +10,10 @@ from torch.nn import functional as F
 from clients.bench.benchmark import build_parser
 from clients.bench.protocol import run_once
 from learner import make_learner
-from learner.augment import BatchAugment, StrongAugment
 from learner.data import load_dataset
-from learner.model import scale_pixels
-from learner.objective import ReplayObjective, distillation
+from learner.methods.augment import BatchAugment, StrongAugment
+from learner.methods.objective import ReplayObjective, distillation
+from learner.networks.reduced_resnet import scale_pixels
 
 from .conftest import CIFAR10_ZIP
 from .test_resume import comparable, run_args
@@ -122,7 +122,7 @@ def test_recomputed_statistics_equal_a_hand_computed_pass_over_the_memory(cifar1
 
 
 def test_the_logit_bias_is_the_one_fitted_on_the_memorys_logits(cifar10_slice):
-    from learner.bias_correction import fit_logit_bias
+    from learner.heads.bias_correction import fit_logit_bias
 
     learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, serving_bias=True, seed=0)
     x, y = mixed(cifar10_slice, 300)
@@ -152,7 +152,7 @@ def test_an_evaluation_answers_on_shared_features_as_each_correction_does_alone(
     each answers exactly as a whole pass of its own over the images."""
     from clients.bench.protocol import evaluate
     from learner.data import task_test_set
-    from learner.ncm import memory_ncm
+    from learner.heads.ncm import memory_ncm
 
     learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, seed=0, **serving)
     x, y = mixed(cifar10_slice, 300)
@@ -303,7 +303,7 @@ def test_the_ema_weights_are_the_hand_computed_average(cifar10_slice):
 def test_an_average_saved_before_the_warm_up_goes_on_as_a_moving_one(cifar10_slice):
     """States written before the average's warm-up hold its weights alone (checkpoints, resumable
     runs): they load as they were, and the average goes on at its decay."""
-    from learner.ema import WARMED_UP
+    from learner.heads.ema import WARMED_UP
 
     learner = make_learner("er", 10, mem_size=50, ema_decay=0.9, seed=2)
     learner.observe(cifar10_slice.train_x[:10], cifar10_slice.train_y[:10])
@@ -351,7 +351,7 @@ def test_an_onnx_snapshot_with_the_ncm_head_predicts_as_the_learners_ncm(cifar10
     learner's nearest-class-mean predictions, on real CIFAR-10 test images."""
     from clients.onnx_client import OnnxClassifier
     from learner.data import task_batches
-    from learner.ncm import memory_ncm, ncm_head
+    from learner.heads.ncm import memory_ncm, ncm_head
     from service.snapshots import PixelsToLogits, export_onnx
 
     data = cifar10_slice
@@ -384,8 +384,8 @@ def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
 
     from clients.onnx_client import OnnxClassifier
 
-    from .test_service import Server, b64, wait_trained
     from .test_online import two_classes
+    from .test_service import Server, b64, wait_trained
 
     server = Server(tmp_path / "svc", method="er", **options).start()
     try:

@@ -1,6 +1,6 @@
 """A fresh service on its defaults serves a useful model from its first tasks (issue 39, item 1):
 three tasks of two CIFAR-10 classes, 150 real images a class, through a real server. The moving
-average's warm-up (`learner/ema.py`) forgets the near-random early weights fast (the plain mean it
+average's warm-up (`learner/heads/ema.py`) forgets the near-random early weights fast (the plain mean it
 replaced answered one class for every image after each task); the logit bias fitted on the memory
 (`ASER_SERVING_BIAS`, on by default) gives back the newest classes, which the average alone never
 answered after the third task (`benchmark young`: 0 of 5 seeds)."""

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from learner import METHODS
-from learner.backbone import BACKBONES, make_backbone
-from learner.base import SERVING_BN
 from learner.catch_up import MEMORY_SHARE
 from learner.data import CLASSES, ImageDataset, load_dataset
-from learner.objective import LOSSES, STEPS
-from learner.pretrained import POOLED
-from learner.streaming import HEADS
+from learner.heads.streaming_lda import HEADS
+from learner.methods.base import SERVING_BN
+from learner.methods.objective import LOSSES, STEPS
+from learner.networks.backbone import BACKBONES, make_backbone
+from learner.networks.lite0 import POOLED
 
 from .latents import encoded_dataset, frozen_forward_cpu_ms
 from .machine import resolve_device
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lean-when-behind", action="store_true",
                      help="with --max-lag: while the oldest waiting sample is older than S/2, take the method's "
                           "cheapest step (one iteration, no augmentation, ASER's memory policies' lean forms: "
-                          "learner.methods.lean_method; priced as that configuration)")
+                          "learner.methods.registry.lean_method; priced as that configuration)")
     run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
     run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
     run.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-dir", help="where decoded image folders (and a backbone's latents) are cached")
     run.add_argument("--backbone", choices=BACKBONES, default="scratch",
                      help="scratch: the paper's reduced ResNet18 from random weights; lite0: EfficientNet-Lite0's "
-                          "ImageNet weights frozen below --cut, the memory holding latents (learner.backbone)")
+                          "ImageNet weights frozen below --cut, the memory holding latents (learner.networks.backbone)")
     run.add_argument("--input-size", type=int, default=128, help="with --backbone lite0: pixels a side it sees")
     run.add_argument("--cut", type=int, default=POOLED,
                      help=f"with --backbone lite0: blocks below this index are frozen ({POOLED}: the pooled "
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "samples, the trained head once every class has N")
     run.add_argument("--choose-head", action="store_true",
                      help="with --serving-head: the stream measures which head answers each class (streaming LDA, "
-                          "the trained top or their mean: learner.head_choice); every evaluation scores each too")
+                          "the trained top or their mean: learner.heads.head_choice); every evaluation scores each too")
     run.add_argument("--latent-bits", type=int, choices=(8, 16), default=16,
                      help="with --backbone lite0: bits a stored latent value (8: the pooled cut only)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,4 +1,4 @@
-"""What one image can cost the input rule (`learner.snapshot_format.read_image`): hostile JPEGs
+"""What one image can cost the input rule (`learner.formats.snapshot.read_image`): hostile JPEGs
 built as an attacker would, and the worst images the rule still accepts, each decoded in a fresh
 process whose CPU seconds and peak resident memory are measured.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from learner.jpeg_structure import read_structure
-from learner.snapshot_format import MAX_COEFFICIENT_BYTES, MAX_SCANS
+from learner.formats.jpeg_structure import read_structure
+from learner.formats.snapshot import MAX_COEFFICIENT_BYTES, MAX_SCANS
 
 from .results import write_result
 
@@ -119,7 +119,7 @@ def largest_under(build, low: int, high: int, limit: int = BODY_LIMIT) -> tuple[
 # ru_maxrss, which an exec'd child inherits from its parent)
 _CHILD = """
 import re, resource, sys, time
-from learner.snapshot_format import ImageRejected, read_image
+from learner.formats.snapshot import ImageRejected, read_image
 def peak_kib():
     return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 data = open(sys.argv[1], "rb").read()

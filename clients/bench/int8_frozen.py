@@ -2,7 +2,7 @@
 up to the pooled features), measured against the float one on the same images, before it may become an
 option of the service.
 
-The graph is the learner's own (`learner.frozen_runtime`), quantised in QDQ form (int8 weights per
+The graph is the learner's own (`learner.networks.frozen_runtime`), quantised in QDQ form (int8 weights per
 channel, uint8 activations) with a calibration of 100 training images of the stream (the first ten of
 each class, as a service would have them after its first images). Then, on one thread in batches of the
 stream's 10: the CPU milliseconds an image of each, and the default's answer on each, streaming LDA on
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from learner.backbone import PretrainedBackbone
 from learner.data import CLASSES, load_dataset
-from learner.frozen_runtime import RUN_BATCH, _Lower, onnx_graph, session_of
-from learner.pretrained import POOLED, resize_pixels
+from learner.networks.backbone import PretrainedBackbone
+from learner.networks.frozen_runtime import RUN_BATCH, _Lower, onnx_graph, session_of
+from learner.networks.lite0 import POOLED, resize_pixels
 
 from .benchmark import build_parser
 from .latents import encoded_dataset

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from learner import make_learner
-from learner.augment import AUGMENTATIONS
 from learner.data import ImageDataset, task_batches, task_test_set
-from learner.head_choice import CANDIDATES
-from learner.methods import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
-from learner.ncm import memory_ncm
+from learner.heads.head_choice import CANDIDATES
+from learner.heads.ncm import memory_ncm
+from learner.methods.augment import AUGMENTATIONS
+from learner.methods.registry import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 
 from .machine import machine_description, resolve_device
 from .realtime import Stream, cost_model, simulate
@@ -65,7 +65,7 @@ def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | No
 
 
 def evaluate_candidates(learner, data: ImageDataset, tasks: list[list[int]], seen: int | None = None) -> dict:
-    """Under a measured head choice (`learner.head_choice`): the served answer ("head") and each candidate's
+    """Under a measured head choice (`learner.heads.head_choice`): the served answer ("head") and each candidate's
     (streaming LDA, the trained top, their mean) from one pass, on each task's held-out set."""
     out = {name: [] for name in ("head", *CANDIDATES)}
     for classes in tasks[:seen]:

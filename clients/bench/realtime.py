@@ -11,7 +11,7 @@ of the stream (Ghunaim et al., CVPR 2023). At each moment the learner, like the 
   within `--catch-up-memory-share` of its time, the rest thinned (`learner.catch_up`);
 - else trains on the next full batch, if one has arrived (with `--lean-when-behind`, in the
   method's cheapest form while the oldest waiting sample is older than S/2, priced as that form,
-  `learner.methods.lean_method`, whose memory update the skipped samples then take too);
+  `learner.methods.registry.lean_method`, whose memory update the skipped samples then take too);
 - else, with `--idle-rehearsal`, takes a replay-only step within `--rehearsal-share` of its time;
 - else waits for the next arrival.
 

@@ -24,8 +24,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from learner.backbone import PretrainedBackbone
 from learner.data import CLASSES, load_dataset
+from learner.networks.backbone import PretrainedBackbone
 
 from .latents import encoded_dataset
 from .machine import machine_description

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from learner.data import ImageDataset
-from learner.pretrained import POOLED
+from learner.networks.lite0 import POOLED
 
 # the settings that decide a run's trajectory; threads, device and output paths do not
 IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "batch_size", "replay_batch",

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from learner.snapshot_format import read_image
+from learner.formats.snapshot import read_image
 
 from ..api import ServiceClient
 from .load import percentile
@@ -159,8 +159,8 @@ def ingest(service: LocalService, photos: list[tuple[str, bytes]]) -> dict:
 
 def parts(photos: list[tuple[str, bytes]], sample: int = 200) -> dict:
     """CPU milliseconds a photo of each part, on this process's one thread, batches of 10."""
-    from learner.backbone import PretrainedBackbone
-    from learner.streaming import make_head
+    from learner.heads.streaming_lda import make_head
+    from learner.networks.backbone import PretrainedBackbone
 
     torch.set_num_threads(1)
     blobs = [b for _, b in photos[:sample]]

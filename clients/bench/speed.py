@@ -40,9 +40,9 @@ import torch
 from torch.nn import functional as F
 
 from learner import make_learner
-from learner.base import training_channels_last
 from learner.data import CLASSES
-from learner.model import ReducedResNet18
+from learner.methods.base import training_channels_last
+from learner.networks.reduced_resnet import ReducedResNet18
 
 from .results import write_result
 

@@ -49,8 +49,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from learner.methods import METHODS, REPLAY_METHODS
-from learner.pretrained import POOLED
+from learner.methods.registry import METHODS, REPLAY_METHODS
+from learner.networks.lite0 import POOLED
 
 AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed", "augment", "iterations", "ema",
         "train_per_class")
@@ -68,7 +68,7 @@ class RunSpec:
     loss: str
     precision: str
     seed: int
-    augment: bool | str = False  # True: crop + flip; "strong": `learner.augment.StrongAugment`
+    augment: bool | str = False  # True: crop + flip; "strong": `learner.methods.augment.StrongAugment`
     iterations: int = 1
     ema: float = 0
     train_per_class: int = 0  # a reduced stream: its results never stand for full-length ones

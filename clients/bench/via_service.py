@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from learner.data import ImageDataset, task_batches, task_test_set
-from learner.objective import ReplayObjective
+from learner.methods.objective import ReplayObjective
 
 from ..api import ServiceClient, ServiceError
 from .results import matrix_summary

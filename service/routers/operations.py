@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..lineage import replay_batch_on
 from ..online import HistoryPoint
 from ..retention import database_bytes
 from ..runtime import Runtime
@@ -118,7 +117,6 @@ class Status(BaseModel):
 def status(rt: Runtime) -> dict:
     worker, store = rt.worker, rt.store
     published = worker.published  # read once: the model and the memory of one step
-    lineage = worker.lineage
     p, memory = published.predictor, published.memory
     classes = store.classes()
     n_quarantined, recent = store.quarantined()
@@ -141,15 +139,8 @@ def status(rt: Runtime) -> dict:
             "classes": {classes[c]: v for c, v in p.choice_summary["classes"].items()
                         if c < len(classes) and classes[c] is not None}},
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
-        "method": lineage.method,
-        "config": {**{name: getattr(rt.settings, name) for name in ("mem_size", "batch_size", "k", "n_candidates",
-                                                                    "per_class", "seed")},
-                   "backbone": lineage.backbone, "image_size": lineage.image_size,
-                   **lineage.backbone_settings(), "lr": lineage.lr,
-                   "replay_batch": replay_batch_on(rt.settings, worker.device),
-                   **lineage.replay_objective(), **lineage.stronger_learner(), "head": lineage.head,
-                   **({"trained_head_from": n} if (n := rt.settings.trained_head_from) else {}),
-                   "serving_bn": rt.settings.serving_bn, "serving_bias": lineage.serving_bias},
+        "method": worker.lineage.method,
+        "config": {**worker.spec.config(), "batch_size": rt.settings.batch_size},
         "worker": {"alive": worker.alive, "restarts": worker.restarts, "last_error": worker.last_error,
                    "checkpoint_failures": worker.checkpointing.failures,
                    "snapshot_failures": worker.snapshots.failures, "quarantined": n_quarantined,

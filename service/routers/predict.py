@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from learner.snapshot_format import top_k
+from learner.formats.snapshot import top_k
 
 from ..errors import NoClassesYet
 from ..inputs import decode_base64, decode_images

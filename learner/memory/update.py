@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from ..networks.reduced_resnet import scale_pixels
 from .buffer import ReplayBuffer
-from .model import scale_pixels
 from .policy import MemoryUpdate, StepContext
 from .sampling import class_balanced_sample, exclude, random_sample
 from .shapley import knn_shapley

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..memory.buffer import ReplayBuffer
+from ..memory.retrieval import RandomRetrieval
+from ..memory.update import ReservoirUpdate
 from .base import ContinualLearner
-from .buffer import ReplayBuffer
-from .retrieval import RandomRetrieval
-from .update import ReservoirUpdate
 
 
 class AGEM(ContinualLearner):

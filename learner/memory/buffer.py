@@ -1,7 +1,7 @@
 """The replay memory M: fixed capacity, preallocated tensors, per-slot feature cache.
 
 Images are kept as uint8 [M, 3, H, W] (the raw pixels; the learner scales them to [0, 1]) or, on
-a pretrained backbone, as the frozen part's latents in their stored dtype (`learner.backbone`),
+a pretrained backbone, as the frozen part's latents in their stored dtype (`learner.networks.backbone`),
 labels as int64. `features` caches f_ext of each slot together with the model version that
 produced it, so a step never runs the feature extractor twice on the same sample under the
 same weights (the update after step n and the retrieval before step n+1 share weights).
@@ -133,7 +133,7 @@ class ReplayBuffer:
             "entered": self.entered[: self.size].clone(),
             "dtype": str(self.images.dtype).removeprefix("torch."),
             **({"pictures": self.pictures[: self.size].clone()} if self.pictures is not None else {}),
-            # the feature cache: values computed on features up to S steps old (`learner.balanced`) go on
+            # the feature cache: values computed on features up to S steps old (`learner.memory.balanced`) go on
             # from the same features after a resume
             **({"features": self.features[: self.size].cpu(), "feature_version": self.feature_version[: self.size].cpu()}
                if self.features is not None else {}),

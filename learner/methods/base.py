@@ -3,7 +3,7 @@
 A learner is fed uint8 images [b, 3, H, W] with integer labels, one mini-batch at a time,
 each batch once. Labels beyond the head's width grow the head (a service does not know its
 classes in advance). Task boundaries are optional hints (`begin_task`, `end_task`) that only
-the task-aware baselines (AGEM, EWC, the retrieval trick) use. The backbone (`learner.backbone`)
+the task-aware baselines (AGEM, EWC, the retrieval trick) use. The backbone (`learner.networks.backbone`)
 decides what trains and what the memory stores: the images themselves from scratch, or a frozen
 pretrained part's latents; a learner takes either images or their stored form.
 """
@@ -16,16 +16,16 @@ from dataclasses import asdict
 import torch
 from torch.nn import functional as F
 
-from .backbone import ScratchBackbone
-from .buffer import pictures_of_admitted
+from ..heads.ema import WeightAverage
+from ..heads.head_choice import HeadChoice
+from ..heads.serving import Serving
+from ..heads.streaming_lda import LinearHead, make_head
+from ..memory.buffer import pictures_of_admitted
+from ..memory.latent import Latent
+from ..memory.policy import StepContext
+from ..networks.backbone import ScratchBackbone
+from ..networks.reduced_resnet import ReducedResNet18
 from .classes import HeadClasses
-from .ema import WeightAverage
-from .head_choice import HeadChoice
-from .latent import Latent
-from .model import ReducedResNet18
-from .policy import StepContext
-from .serving import Serving
-from .streaming import LinearHead, make_head
 
 
 def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
@@ -55,7 +55,7 @@ class ContinualLearner(Serving, HeadClasses):
         self.lr = lr
         if channels_last is None:
             channels_last = training_channels_last(self.device, autocast_dtype)
-        # what trains and what the memory stores (`learner.backbone`): by default the paper's network
+        # what trains and what the memory stores (`learner.networks.backbone`): by default the paper's network
         self.backbone = backbone or ScratchBackbone(self.image_shape, channels_last)
         channels_last = channels_last and self.backbone.name == "scratch"
         self.backbone.channels_last = channels_last
@@ -73,7 +73,7 @@ class ContinualLearner(Serving, HeadClasses):
         # costs ~30 s of compilation at the first step, so it is an option
         self.train_forward = torch.compile(self.model) if compile else self.model
         self.optimizer = self._make_optimizer()
-        # serving weights: an average of the trained ones (`learner.ema`), or the trained ones
+        # serving weights: an average of the trained ones (`learner.heads.ema`), or the trained ones
         self.ema = WeightAverage(self.model, ema_decay) if ema_decay else None
         if serving_bn not in SERVING_BN:
             raise ValueError(f"unknown serving_bn {serving_bn!r}; choose one of {', '.join(SERVING_BN)}")
@@ -81,7 +81,7 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("serving_bn='memory' recomputes trained BatchNorm statistics; the pretrained top keeps "
                              "its own")
         self.serving_bn, self.serving_bias = serving_bn, serving_bias
-        # a streaming head on the frozen features (`learner.streaming`) serves instead of the trained one
+        # a streaming head on the frozen features (`learner.heads.streaming_lda`) serves instead of the trained one
         if serving_head and not hasattr(self.backbone, "frozen_features"):
             raise ValueError("a streaming serving head needs frozen features: the pretrained backbone")
         self.stream_head = make_head(serving_head, self.model.feature_dim) if serving_head else None
@@ -90,7 +90,7 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("trained_head_from hands serving from a streaming head to the trained one: it needs "
                              "serving_head and a count of at least 1")
         self.trained_head_from = trained_head_from
-        # or the stream measures, class by class, which head answers (`learner.head_choice`)
+        # or the stream measures, class by class, which head answers (`learner.heads.head_choice`)
         if choose_head and (self.stream_head is None or trained_head_from is not None):
             raise ValueError("choose_head measures the streaming head against the trained one: it needs serving_head "
                              "and no trained_head_from")
@@ -280,7 +280,7 @@ class ContinualLearner(Serving, HeadClasses):
 
     def teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
         """The moving average's eval-mode logits of uint8 images, without gradients (the
-        distillation teacher, `learner.objective`)."""
+        distillation teacher, `learner.methods.objective`)."""
         with torch.no_grad(), self._autocast():
             return self.averaged_model(self.to_input(images)).float()
 

@@ -32,7 +32,7 @@ so no value is ever computed on features older than `max_age` steps; `max_age=0`
 every slot for each valuation.
 
 >>> import torch
->>> from learner.buffer import ReplayBuffer
+>>> from learner.memory.buffer import ReplayBuffer
 >>> buf = ReplayBuffer(4, (1, 1, 1))
 >>> ctx = type("C", (), {"generator": torch.Generator().manual_seed(0), "stats": {}})()
 >>> update = ClassBalancedUpdate("random")
@@ -54,7 +54,7 @@ MAX_EVALUATION_POINTS = 500  # a valuation's evaluation points at most (the othe
 
 
 def update_name(victim: str) -> str:
-    """The memory-update name of a balanced rule, as `learner.methods` lists it.
+    """The memory-update name of a balanced rule, as `learner.methods.registry` lists it.
 
     >>> update_name("duel")
     'cb-duel'
@@ -232,7 +232,7 @@ def refresh_stale(buffer: ReplayBuffer, latent, max_age: int) -> torch.Tensor:
     optimizer steps under the current weights (`latent.version`); the cache keeps them.
 
     >>> import torch
-    >>> from learner.latent import Latent
+    >>> from learner.memory.latent import Latent
     >>> buf = ReplayBuffer(3, (1, 1, 1))
     >>> buf.write(torch.arange(3), torch.arange(3, dtype=torch.uint8).view(3, 1, 1, 1), torch.zeros(3, dtype=torch.long))
     >>> calls = []

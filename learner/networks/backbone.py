@@ -2,7 +2,7 @@
 
 - `scratch`: the paper's reduced ResNet18, trained whole from random weights; the memory keeps
   the raw uint8 pixels (the research protocol).
-- `lite0`: EfficientNet-Lite0's ImageNet weights (`learner.pretrained`), frozen below a cut; the
+- `lite0`: EfficientNet-Lite0's ImageNet weights (`learner.networks.lite0`), frozen below a cut; the
   memory keeps the frozen part's output at the cut (latent replay), so a replayed sample costs
   only the trainable top. `encode` runs the frozen part once per incoming image.
 
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from .frozen_runtime import FrozenGraphs
-from .model import ReducedResNet18, fold_batchnorm, scale_pixels
-from .pretrained import FEATURE_DIM, NUM_BLOCKS, POOLED, load_lite0
+from .lite0 import FEATURE_DIM, NUM_BLOCKS, POOLED, load_lite0
+from .reduced_resnet import ReducedResNet18, fold_batchnorm, scale_pixels
 
 BACKBONES = ("scratch", "lite0")
 POOLED_RANGE = 6.0  # the pooled features follow ReLU6: [0, 6], so 8 bits quantise them on a fixed grid
@@ -73,7 +73,7 @@ class ScratchBackbone:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
     def features(self, net: nn.Module, dtype: torch.dtype | None = None):
-        """Eval-mode f_ext of `net`, BatchNorm folded (`learner.model.fold_batchnorm`)."""
+        """Eval-mode f_ext of `net`, BatchNorm folded (`learner.networks.reduced_resnet.fold_batchnorm`)."""
         return fold_batchnorm(net, dtype)
 
     def pixel_module(self, net: nn.Module) -> nn.Module:

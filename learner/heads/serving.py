@@ -11,8 +11,8 @@ from copy import deepcopy
 
 import torch
 
+from ..networks.reduced_resnet import ReducedResNet18, recompute_bn
 from .bias_correction import fit_logit_bias
-from .model import ReducedResNet18, recompute_bn
 
 # a streaming head's logits may lie far below zero (LDA's): a class it has not seen sits further still
 UNSEEN_LOGIT = -1e30
@@ -58,7 +58,7 @@ class Serving:
         return self.stream_head_rows(solve)
 
     def served_choice(self, solve: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Under a measured choice (`learner.head_choice`): streaming LDA's rows (`stream_head_rows`) and each
+        """Under a measured choice (`learner.heads.head_choice`): streaming LDA's rows (`stream_head_rows`) and each
         class's head, which `served_head` (the top's) joins; None otherwise."""
         if self.head_choice is None:
             return None
@@ -83,7 +83,7 @@ class Serving:
         return self._solved[1]
 
     def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each candidate head's probabilities (`learner.head_choice.CANDIDATES`) of stored latents and their
+        """Each candidate head's probabilities (`learner.heads.head_choice.CANDIDATES`) of stored latents and their
         frozen features, over class ids 0..num_classes-1, on the CPU."""
         slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
         with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
@@ -125,9 +125,9 @@ class Serving:
     def refresh_serving(self) -> None:
         """Correct a copy of the averaged weights on the replay memory as it is now, for serving:
         with serving_bn="memory" its BatchNorm statistics are recomputed (SWA's `update_bn`,
-        `learner.model.recompute_bn`: one train-mode pass over the memory, no gradients); with
+        `learner.networks.reduced_resnet.recompute_bn`: one train-mode pass over the memory, no gradients); with
         serving_bias its head's bias takes the offsets fitted on the memory's logits
-        (`learner.bias_correction`: one eval pass). Run it where predictions are taken (an
+        (`learner.heads.bias_correction`: one eval pass). Run it where predictions are taken (an
         evaluation, a publication), not every step. Without either, or without a memory to
         correct on, `averaged_model` serves."""
         buffer = getattr(self, "buffer", None)

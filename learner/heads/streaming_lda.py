@@ -143,7 +143,7 @@ class StreamingLDA(StreamingClassMeans):
     few samples are in. `debiased`: as the class means' bias, in the covariance's metric
     (b_c = -(mu_c^T P mu_c - tr(P S_w) / n_c) / 2). `young`: while a class has fewer samples than
     this, its mean is too rough for the covariance's metric and the nearest class mean answers
-    (chosen where the two crossed on seed 0's stream: docs/results.md)."""
+    (chosen where the two crossed on seed 0's stream: docs/results/pretrained.md)."""
 
     def __init__(self, dim: int, shrinkage: float | str = 1e-4, debiased: bool = False, young: int = 0):
         super().__init__(dim, debiased)

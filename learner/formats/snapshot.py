@@ -69,7 +69,7 @@ def read_image(data: bytes, size: int, strict: bool = False) -> np.ndarray:
     mode of ACCEPTED_MODES, whole (a JPEG must end with its end-of-image marker and its data must
     cover its declared frame), at most MAX_PIXELS decoded and MAX_ASPECT_RATIO long, a JPEG at most
     MAX_SCANS scans and, progressive, MAX_COEFFICIENT_BYTES of coefficients (all from the headers,
-    before any decoding: `learner.jpeg_structure`), EXIF orientation applied, then `fit_to_input`.
+    before any decoding: `learner.formats.jpeg_structure`), EXIF orientation applied, then `fit_to_input`.
     `strict`: refuse any size but size x size. Raises ImageRejected.
 
     >>> from PIL import Image

@@ -145,7 +145,7 @@ class OldClassesBy(MemoryRetrieval):
     ASV alone never replays an incoming class: a memory sample of the batch's own class is
     valuable to it, and eqs. (5)-(6) subtract that value. Under the ACE loss the replay is where a
     new class meets the old ones (the incoming term covers only the incoming classes), so without
-    it the served model never answers the newest task (results.md, issue 36)."""
+    it the served model never answers the newest task (docs/results/asers-memory.md)."""
 
     def __init__(self, choose: MemoryRetrieval):
         self.choose = choose
@@ -169,7 +169,7 @@ class WithinClassesBy(MemoryRetrieval):
     drawn at random set how many of each class are replayed, and of each class the candidates
     `choose` scores highest go (its class-balanced candidates; the drawn members make up a class
     with fewer). As the balanced memory lets values decide only within a class: ASV_mu's top-n
-    over all classes favoured a few old classes and let others go unreplayed (results.md, issue 36)."""
+    over all classes favoured a few old classes and let others go unreplayed (docs/results/asers-memory.md)."""
 
     def __init__(self, choose: _LatentScoreRetrieval):
         self.choose = choose

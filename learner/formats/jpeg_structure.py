@@ -1,5 +1,5 @@
 """What a JPEG's markers say before a pixel is decoded: its frame, its scans, and how many bytes of
-entropy-coded data each scan carries. The input rule (`learner.snapshot_format.read_image`) reads
+entropy-coded data each scan carries. The input rule (`learner.formats.snapshot.read_image`) reads
 it to refuse the two JPEGs whose cost hides past the header:
 
 - a scan bomb: every scan of a progressive JPEG is a pass over the whole coefficient buffer, so a

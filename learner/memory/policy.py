@@ -1,7 +1,7 @@
 """The two swappable halves of a replay method: MemoryUpdate and MemoryRetrieval.
 
 A method of the paper is a pair of them (Algorithm 1): ER = reservoir + random,
-ASER = KNN-SV update + ASV retrieval, and so on (see `learner.methods`).
+ASER = KNN-SV update + ASV retrieval, and so on (see `learner.methods.registry`).
 """
 
 from __future__ import annotations

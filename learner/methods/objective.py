@@ -11,7 +11,7 @@ two independent options that compose with every memory update and retrieval poli
   logits of the classes present in that batch only; the replayed batch's over all classes.
   It needs no task boundaries, so a service can use it.
 - `distill` lambda (MKD, Michel et al., ICML 2024, with one teacher): the moving average of the
-  weights (`learner.ema`) teaches. On the same training batch the step adds
+  weights (`learner.heads.ema`) teaches. On the same training batch the step adds
   lambda * T^2 * KL(softmax(teacher / T) || softmax(student / T)) at T = 4 (Hinton's scaling, as MKD's
   code), the teacher's logits from one extra forward pass without gradients (about a third of a
   step). It composes with both step forms and both losses; 0 (the default) adds nothing.

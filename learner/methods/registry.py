@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory.balanced import VICTIM_RULES, ClassBalancedUpdate
+from ..memory.balanced import update_name as balanced_name
+from ..memory.retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
+from ..memory.update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
 from .agem import AGEM
 from .augment import make_augment
-from .balanced import VICTIM_RULES, ClassBalancedUpdate
-from .balanced import update_name as balanced_name
 from .base import ContinualLearner
 from .ewc import EWCpp
 from .finetune import FineTune
 from .objective import ReplayObjective
 from .replay import ReplayLearner
-from .retrieval import ASVRetrieval, DistRetrieval, MIRRetrieval, OldClassesBy, RandomRetrieval, WithinClassesBy
 from .stream_head import StreamHeadLearner
-from .update import GSSGreedyUpdate, KNNShapleyUpdate, ReservoirUpdate
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ REPLAY_METHODS = {
     "asv-mu-ret": ("reservoir", "asv-mu"),
     "dist": ("knn-sv", "dist"),
     "dist-mu": ("knn-sv", "dist-mu"),
-    # a class-balanced memory (`learner.balanced`): CBRS, and KNN-SV deciding within the class
+    # a class-balanced memory (`learner.memory.balanced`): CBRS, and KNN-SV deciding within the class
     "cbrs": ("cb-random", "random"),
     "cb-sv": ("cb-value", "random"),
     "cb-sv-duel": ("cb-duel", "random"),
@@ -74,7 +74,7 @@ LEAN_POLICIES = {"knn-sv": "reservoir", "asv": "random", "asv-mu": "random", "as
 # the policies K or N_c shape (`shapley_settings`)
 VALUED_POLICIES = {"knn-sv", "asv", "asv-mu", "asv-mu-old", "asv-mu-within", "dist", "dist-mu",
                    *(balanced_name(r) for r in ("value", "duel", "compete"))}
-# no memory, no training: a streaming head on the pretrained backbone's frozen features (`learner.stream_head`)
+# no memory, no training: a streaming head on the pretrained backbone's frozen features (`learner.methods.stream_head`)
 STREAM_HEAD_METHODS = {"slda": "slda", "slda-oas": "slda-oas", "slda-plain": "slda-plain", "class-means": "ncm",
                        "class-means-plain": "ncm-plain"}
 OTHER_METHODS = ("agem", "ewc", "finetune", "iid-online", "iid-offline", *STREAM_HEAD_METHODS)
@@ -121,13 +121,13 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     """Build `method` for a stream with `num_classes` classes (the head's initial width).
 
     `loss` (ce | ace) and `step` (joint | separate) choose the replay methods' objective
-    (`learner.objective`); `iterations` (SGD steps per incoming batch) and `augment` (True or
-    "crop-flip": crop + flip of every training batch; "strong": `learner.augment.StrongAugment`) are
-    the replay methods' repeated augmented rehearsal (`learner.replay`); `distill` weighs the moving
-    average's distillation term (`learner.objective`; needs `ema_decay`). `feature_max_age`: the
+    (`learner.methods.objective`); `iterations` (SGD steps per incoming batch) and `augment` (True or
+    "crop-flip": crop + flip of every training batch; "strong": `learner.methods.augment.StrongAugment`) are
+    the replay methods' repeated augmented rehearsal (`learner.methods.replay`); `distill` weighs the moving
+    average's distillation term (`learner.methods.objective`; needs `ema_decay`). `feature_max_age`: the
     class-balanced KNN-SV rules, and ASV retrieval on them (cb-aser, cb-aser-mu, cb-aser-mu-old,
     cb-aser-mu-within), value the memory on cached features at most this many optimizer steps old
-    (`learner.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
+    (`learner.memory.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
     autocast_dtype, latent_dtype, compile, ema_decay, serving_bn, serving_bias).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the

@@ -13,7 +13,7 @@ features of that latent as the memory stores it in 16 bits (one pass for both: w
 heads read); `upper` gives those features from stored latents.
 
 >>> import torch
->>> from learner.pretrained import load_lite0
+>>> from learner.networks.lite0 import load_lite0
 >>> frozen = load_lite0(input_size=96)
 >>> graphs = FrozenGraphs(frozen, cut=12)
 >>> pixels = torch.randint(0, 256, (2, 3, 96, 96), dtype=torch.uint8)
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .pretrained import POOLED, Lite0, resize_pixels
+from .lite0 import POOLED, Lite0, resize_pixels
 
 RUN_BATCH = 10  # images a run (the stream's batch): onnxruntime's arena keeps the largest run's buffers (about 60 MB
 # at 10 images of 160 px, 200 at 32), at no cost in speed
@@ -44,7 +44,7 @@ RUN_BATCH = 10  # images a run (the stream's batch): onnxruntime's arena keeps t
 
 class _Lower(nn.Module):
     """Scaled pixels -> the latent at `cut` (and, below the pooled cut, the pooled features of the
-    latent rounded to fp16, as `learner.backbone.LatentPixelFeatures` computes them)."""
+    latent rounded to fp16, as `learner.networks.backbone.LatentPixelFeatures` computes them)."""
 
     def __init__(self, frozen: Lite0, cut: int, with_features: bool):
         super().__init__()

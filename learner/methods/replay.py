@@ -1,9 +1,9 @@
 """Experience replay with swappable MemoryUpdate and MemoryRetrieval (Algorithm 1).
 
 Each step: B_M <- retrieve(B_n, M); one SGD step on the objective of (B_n, B_M) (by default one
-forward pass of B_n u B_M and its mean cross-entropy; see `learner.objective` for the `separate`
+forward pass of B_n u B_M and its mean cross-entropy; see `learner.methods.objective` for the `separate`
 step and the ACE loss); M <- update(B_n, M). ER, MIR, GSS, ASER, ASER_mu and the ablations are
-all this class with different policies (see `learner.methods`).
+all this class with different policies (see `learner.methods.registry`).
 
 Two options compose with every policy pair:
 - `iterations` N (repeated rehearsal, the authors' `mem_iters`): N SGD steps per incoming batch,
@@ -11,12 +11,12 @@ Two options compose with every policy pair:
   RAR do: under ACE the incoming term is the only one that teaches the new classes, so a
   replay-only step would rehearse the old ones N-1 times for each time the new ones are seen.
   The memory update runs once, after the last step, as with N = 1.
-- `augment` (`learner.augment`): the incoming and replayed images of each step are cropped and
+- `augment` (`learner.methods.augment`): the incoming and replayed images of each step are cropped and
   flipped afresh; the memory stores the incoming samples as they came.
-The objective's distillation term (`learner.objective`, `distill`) composes with both: the moving
+The objective's distillation term (`learner.methods.objective`, `distill`) composes with both: the moving
 average teaches each of the N steps.
 A lean step (`observe(..., lean=True)`, for a learner behind its stream) takes none of them: one step,
-with the policies' lean forms (`lean_policies`, `learner.methods.LEAN_POLICIES`: ASER's KNN-SV
+with the policies' lean forms (`lean_policies`, `learner.methods.registry.LEAN_POLICIES`: ASER's KNN-SV
 update and ASV retrieval give way to the reservoir and random draws, which need no feature pass),
 so it costs what ER's step costs. Samples skipped behind the stream reach the memory through the
 lean update too (`pass_through(..., lean=True)`).
@@ -29,12 +29,12 @@ from dataclasses import replace
 import torch
 from torch.nn import functional as F
 
+from ..memory.buffer import ReplayBuffer
+from ..memory.latent import Latent
+from ..memory.policy import MemoryRetrieval, MemoryUpdate, StepContext
 from .augment import Augment
 from .base import ContinualLearner
-from .buffer import ReplayBuffer
-from .latent import Latent
 from .objective import ReplayObjective
-from .policy import MemoryRetrieval, MemoryUpdate, StepContext
 
 
 class ReplayLearner(ContinualLearner):

@@ -1,0 +1,10 @@
+"""What answers a prediction: the served weights and the heads on top of them.
+
+- `serving`: the served weights (the moving average of `ema`, or its copy corrected on the
+  memory), their features, the served head, predictions.
+- `streaming_lda` (streaming LDA on the frozen features), `ncm` (nearest class mean on the memory),
+  `bias_correction` (a logit bias fitted on the memory): the heads besides the trained one.
+- `head_choice`: which head answers each class, as the stream measures it.
+
+Imports `learner.networks` only.
+"""
