@@ -43,12 +43,12 @@ log = logging.getLogger("aser.worker")
 # the settings that decide how a lineage trains (its checkpoints' identity)
 LINEAGE_SETTINGS = ("backbone", "image_size", "cut", "latent_bits", "method", "step", "loss", "augment", "iterations",
                     "distill")
-# The learner's options where unset: on where the evidence earned it (docs/results/options.md, docs/results/asers-memory.md). ER-ACE with the
-# stronger learner's three gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10 paired
-# seeds, 2.1x ER's step); under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default,
-# but the moving average alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost), and
-# behind a stream at 2x / 4x ER's pace lean steps add +22.3 +- 5.2 / +22.6 +- 4.9 to it and +4.6 +- 6.2 /
-# +4.9 +- 4.3 to the best configuration (3 paired seeds each).
+# The learner's options where unset: on where the evidence earned it (docs/results/options.md and asers-memory.md).
+# ER-ACE with the stronger learner's three gains +12.95 +- 2.11 A_T over ER-ACE on Split CIFAR-10 at M=1000 (10
+# paired seeds, 2.1x ER's step); under the KNN-SV memory all three add +1.41 +- 2.64 (5 seeds), not a default, but
+# the moving average alone adds +2.14 +- 2.10 (10 paired seeds, under 1% of a step's cost), and behind a stream at 2x
+# / 4x ER's pace lean steps add +22.3 +- 5.2 / +22.6 +- 4.9 to it and +4.6 +- 6.2 / +4.9 +- 4.3 to the best
+# configuration (3 paired seeds each).
 OPTIONS_OFF = {"augment": False, "iterations": 1, "ema": 0.0, "lean_when_behind": False, "distill": 0.0}
 # The class-balanced KNN-SV memory (cb-sv-duel) takes ER's options: with them it is +13.39 ± 1.92 A_T (10 paired
 # seeds) over the previous default (sv-upd + ACE + EMA) at full length, level with the best (issue 36,

@@ -33,8 +33,8 @@ class Settings(BaseSettings):
     # the lower-valued of two random members of the class leaves), random retrieval, the ACE loss and a moving
     # average, the paper's CIFAR-10 settings; from scratch also augmentation and 2 iterations (TUNED_DEFAULTS), on
     # the pretrained backbone streaming LDA serving (PRETRAINED_DEFAULTS, `service.lineage`). The backbone is
-    # EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results/pretrained.md, rule 4: +17.7 A_T and +26.9 at ten
-    # images of a new class over the from-scratch default, at its CPU cost). What a data directory's lineage was
+    # EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results/pretrained.md, rule 4: +17.7 A_T and +26.9
+    # at ten images of a new class over the from-scratch default, at its CPU cost). What a data directory's lineage was
     # trained with goes on where these leave it unset: a directory made from scratch goes on from scratch.
     method: str = "cb-sv-duel"
     backbone: Literal["scratch", "lite0"] = Field("lite0", description="lite0: EfficientNet-Lite0's ImageNet "
@@ -43,7 +43,8 @@ class Settings(BaseSettings):
                                                   "paper's reduced ResNet18 from random weights on 32x32 pixels "
                                                   "(the research protocol)")
     image_size: int | None = Field(None, ge=8, le=512, description="the side every image is brought to (the one "
-                                   "input rule; unset: 32 from scratch, 160 on lite0, by the rule in docs/results/pretrained.md)")
+                                   "input rule; unset: 32 from scratch, 160 on lite0, by the rule in "
+                                   "docs/results/pretrained.md)")
     cut: int = Field(POOLED_CUT, ge=0, le=POOLED_CUT, description="lite0: the first trainable block (17: only the linear "
                      "head trains on the pooled features; 11: the last two stages too)")
     latent_bits: int = Field(16, description="lite0: the memory's latents in fp16 (16), or 8 bits (pooled only)")
