@@ -14,6 +14,7 @@ import torch
 
 from learner import make_learner
 from learner.heads.head_choice import CANDIDATES, compose
+from learner.heads.held_back import HeldBack, paired_search
 from learner.networks.backbone import PretrainedBackbone
 from service.serving import Predictor
 from service.snapshots import PixelsToLogits, export_onnx
@@ -101,3 +102,58 @@ def test_a_resumed_learner_keeps_the_measured_choice_and_answers_alike(stream):
 def test_a_measured_choice_needs_the_streaming_head():
     with pytest.raises(ValueError, match="choose_head"):
         make_learner("cb-sv-duel", 4, backbone=PretrainedBackbone(input_size=64), choose_head=True)
+
+
+def held_back_learner(seed: int = 0):
+    """The measured choice on held-back samples, holding from each class's 2nd sample every 2nd, 4 at most."""
+    learner = make_learner("cb-sv-duel", 4, mem_size=30, loss="ace", ema_decay=0.99, backbone=PretrainedBackbone(
+        input_size=64, cut=12), seed=seed, lr=0.01, serving_head="slda", choose_head="held-back")
+    learner.head_choice.held = HeldBack(hold_from=2, every=2, per_class=4, min_held=2)
+    learner.head_choice.measure_every = 3
+    return learner
+
+
+def test_held_back_samples_train_no_head_and_the_choice_is_made_on_them(stream):
+    batches, _ = stream
+    learner = held_back_learner()
+    offered = torch.bincount(torch.cat([y for _, y in batches]), minlength=4)
+    for x, y in batches:
+        learner.observe(x, y)
+    held = learner.head_choice.held
+    stored, features, labels = held.stacked()
+    assert torch.bincount(labels, minlength=4).tolist() == [4, 4, 4, 4]
+    # neither streaming LDA, nor the memory, nor the step saw them; the learner counts them as seen
+    assert learner.stream_head.counts[:4].tolist() == (offered - 4).tolist()
+    assert learner.buffer.n_seen == int(offered.sum()) - 16 and learner.samples_seen == int(offered.sum())
+    memory = learner.buffer.images[:learner.buffer.size].flatten(1)
+    assert not any(torch.equal(row, s) for s in stored.flatten(1).to(memory.dtype) for row in memory)
+    # the choice on them reports each candidate's accuracy and the served answer's, as they answer them
+    probabilities = learner.head_probabilities(stored, features)
+    learner.head_choice.choose_on_held(probabilities, labels)
+    stacked = torch.stack([probabilities[h] for h in CANDIDATES])
+    answers = {**probabilities, "served": compose(stacked, learner.head_choice.choice(4))}
+    summary = learner.head_choice.summary()
+    assert summary["measure"] == "held-back" and summary["held_back"]["samples"] == 16
+    assert summary["held_back"]["accuracy"] == {h: round(float((p.argmax(1) == labels).float().mean()), 4)
+                                                for h, p in answers.items()}
+    # a resumed learner holds the same samples and keeps the choice
+    twin = held_back_learner()
+    twin.load_state_dict(copy.deepcopy(learner.state_dict()))
+    assert twin.head_choice.chosen == learner.head_choice.chosen
+    assert torch.equal(twin.head_choice.held.stacked()[0], stored) and twin.head_choice.held.seen == held.seen
+
+
+def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():
+    labels = torch.tensor([0] * 20 + [1] * 20)
+    zero, one = torch.tensor([0.9, 0.1]), torch.tensor([0.1, 0.9])
+    slda = torch.stack([zero] * 20 + [one] * 20)  # right on every sample
+    top = torch.stack([zero] * 40)  # wrong on class 1
+    mix = torch.stack([zero] * 20 + [one] * 19 + [zero])  # one sample worse than streaming LDA
+    start = torch.tensor([1, 1])  # both classes with the top
+    moved = paired_search(torch.stack([slda, top, mix]), labels, start, [0, 1], compose)
+    assert moved.tolist() != [1, 1] and float((compose(torch.stack([slda, top, mix]), moved).argmax(1) == labels)
+                                             .float().mean()) >= 39 / 40
+    # streaming LDA answering, the mean one sample behind: nothing moves
+    assert paired_search(torch.stack([slda, top, mix]), labels, torch.tensor([0, 0]), [0, 1], compose).tolist() == [0, 0]
+    # a class not yet measured never moves
+    assert paired_search(torch.stack([slda, top, mix]), labels, start, [0], compose)[1] == 1

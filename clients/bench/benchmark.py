@@ -229,9 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--trained-head-from", type=int, metavar="N",
                      help="with --serving-head: the streaming head serves while a class seen has fewer than N "
                           "samples, the trained head once every class has N")
-    run.add_argument("--choose-head", action="store_true",
+    run.add_argument("--choose-head", nargs="?", const=True, default=False, choices=(True, "held-back"), metavar="held-back",
                      help="with --serving-head: the stream measures which head answers each class (streaming LDA, "
-                          "the trained top or their mean: learner.heads.head_choice); every evaluation scores each too")
+                          "the trained top or their mean: learner.heads.head_choice), on the incoming samples, or "
+                          "--choose-head held-back: on samples of every class held back from training "
+                          "(learner.heads.held_back); every evaluation scores each too")
     run.add_argument("--latent-bits", type=int, choices=(8, 16), default=16,
                      help="with --backbone lite0: bits a stored latent value (8: the pooled cut only)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

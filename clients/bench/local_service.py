@@ -39,7 +39,8 @@ def real_jpegs(path: Path, n: int, split: str = "train", classes: list[str] | No
         for x in names:
             if classes is None or x.split("/")[-2] in by_class:
                 by_class.setdefault(x.split("/")[-2], []).append(x)
-        picked = [files[i] for i in range(n // len(by_class) + 1) for files in by_class.values() if i < len(files)][:n]
+        rounds = min(n // len(by_class) + 1, max(map(len, by_class.values())))  # n may be "all" (a huge number)
+        picked = [files[i] for i in range(rounds) for files in by_class.values() if i < len(files)][:n]
         return [(x.split("/")[-2], z.read(x)) for x in picked]
 
 

@@ -141,8 +141,8 @@ class RunSpec:
             parts.append(f"serve{extra['serving_head']}")
         if "trained_head_from" in extra:
             parts.append(f"from{extra['trained_head_from']}")
-        if extra.get("choose_head"):
-            parts.append("chosen")
+        if extra.get("choose_head"):  # True: measured on the stream; "held-back": on held-back samples
+            parts.append("chosen" if extra["choose_head"] is True else f"chosen{extra['choose_head'].replace('-', '')}")
         if "lr" in extra:
             parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:

@@ -10,7 +10,9 @@ the class is young, streaming LDA answers it. The served probabilities are, for 
 its head, renormalised (`compose`); where every class has the same head they are that head's.
 
 In a class-incremental stream the incoming samples are the newest classes': a class keeps the choice
-measured while it was last seen.
+measured while it was last seen. `measure="held-back"` chooses on samples of every class seen that no head
+trained on instead (`learner.heads.held_back`): the learner holds a few back from each class and asks
+`choose_on_held` every MEASURE_EVERY steps; the stream's scores are then only reported.
 
 >>> import torch
 >>> choice = HeadChoice(window=4, min_scored=2, margin=0.25)
@@ -30,18 +32,28 @@ from collections import deque
 
 import torch
 
+from .held_back import HeldBack, paired_search
+
 CANDIDATES = ("slda", "top", "mix")
 STREAMING = "slda"  # what answers a class until another head is measured better on it
 WINDOW = 200  # a class's recent samples over which each candidate's hits count
 MIN_SCORED = 50  # of them, how many a head needs before it can take a class
 MARGIN = 0.03  # the lead a challenger needs over the head answering a class
+MEASURES = ("stream", "held-back")
+MEASURE_EVERY = 50  # steps between choices on the held-back samples
 
 
 class HeadChoice:
-    def __init__(self, window: int = WINDOW, min_scored: int = MIN_SCORED, margin: float = MARGIN):
-        self.window, self.min_scored, self.margin = window, min_scored, margin
+    def __init__(self, window: int = WINDOW, min_scored: int = MIN_SCORED, margin: float = MARGIN,
+                 measure: str = "stream"):
+        if measure not in MEASURES:
+            raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
+        self.window, self.min_scored, self.margin, self.measure = window, min_scored, margin, measure
         self.hits: dict[str, dict[int, deque[bool]]] = {h: {} for h in (*CANDIDATES, "served")}
         self.chosen: dict[int, str] = {}
+        self.held = HeldBack() if measure == "held-back" else None
+        self.measure_every = MEASURE_EVERY
+        self.held_accuracy: dict[str, float] = {}  # each candidate's and the served answer's, last measured
 
     def head_of(self, class_id: int) -> str:
         return self.chosen.get(class_id, STREAMING)
@@ -54,8 +66,9 @@ class HeadChoice:
         for head, p in (*probabilities.items(), ("served", served)):
             for label, guess in zip(labels, p.argmax(1).cpu().tolist()):
                 self.hits[head].setdefault(label, deque(maxlen=self.window)).append(guess == label)
-        for label in set(labels):
-            self._choose(label)
+        if self.held is None:
+            for label in set(labels):
+                self._choose(label)
 
     def _choose(self, class_id: int) -> None:
         current = self.head_of(class_id)
@@ -63,6 +76,14 @@ class HeadChoice:
         best = max(CANDIDATES, key=lambda h: rates[h] if rates[h] is not None else -1.0)
         if rates[best] is not None and rates[current] is not None and rates[best] >= rates[current] + self.margin:
             self.chosen[class_id] = best
+
+    def choose_on_held(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        """Choose again on the held-back samples: each candidate's probabilities of them, and their labels."""
+        stacked = torch.stack([probabilities[h] for h in CANDIDATES])
+        choice = paired_search(stacked, labels, self.choice(stacked.shape[2]), self.held.measured(), compose)
+        self.chosen = {c: CANDIDATES[int(h)] for c, h in enumerate(choice) if CANDIDATES[int(h)] != STREAMING}
+        answers = {**{h: stacked[i] for i, h in enumerate(CANDIDATES)}, "served": compose(stacked, choice)}
+        self.held_accuracy = {h: round(float((p.argmax(1) == labels).float().mean()), 4) for h, p in answers.items()}
 
     def accuracy(self, head: str, class_id: int) -> float | None:
         """`head`'s share of right answers over the class's recent samples; None below MIN_SCORED."""
@@ -87,21 +108,28 @@ class HeadChoice:
             overall[head] = round(sum(hits) / len(hits), 4) if hits else None
         per_class = {c: {"head": self.head_of(c), **{h: self.accuracy(h, c) for h in CANDIDATES}}
                      for c in sorted(self.hits["served"])}
-        return {"window_accuracy": overall, "classes": per_class}
+        held = {} if self.held is None else {"held_back": {"samples": len(self.held), "accuracy": self.held_accuracy}}
+        return {"measure": self.measure, "window_accuracy": overall, **held, "classes": per_class}
 
     def forget(self, class_id: int) -> None:
         for by_class in self.hits.values():
             by_class.pop(class_id, None)
         self.chosen.pop(class_id, None)
+        if self.held is not None:
+            self.held.forget(class_id)
 
     def state_dict(self) -> dict:
         return {"hits": {h: {c: list(d) for c, d in by_class.items()} for h, by_class in self.hits.items()},
-                "chosen": dict(self.chosen)}
+                "chosen": dict(self.chosen),
+                **({"held": self.held.state_dict(), "held_accuracy": self.held_accuracy} if self.held is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.hits = {h: {int(c): deque(d, maxlen=self.window) for c, d in state["hits"].get(h, {}).items()}
                      for h in (*CANDIDATES, "served")}
         self.chosen = {int(c): h for c, h in state["chosen"].items()}
+        if self.held is not None and "held" in state:
+            self.held.load_state_dict(state["held"])
+            self.held_accuracy = dict(state.get("held_accuracy", {}))
 
 
 def compose(stacked: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ class ContinualLearner(Serving, HeadClasses):
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
-                 trained_head_from: int | None = None, choose_head: bool = False):
+                 trained_head_from: int | None = None, choose_head: bool | str = False):
         self.device = torch.device(device)
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -90,11 +90,12 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("trained_head_from hands serving from a streaming head to the trained one: it needs "
                              "serving_head and a count of at least 1")
         self.trained_head_from = trained_head_from
-        # or the stream measures, class by class, which head answers (`learner.heads.head_choice`)
+        # or the stream measures, class by class, which head answers (`learner.heads.head_choice`): on the incoming
+        # samples (True, "stream") or on samples held back from training ("held-back")
         if choose_head and (self.stream_head is None or trained_head_from is not None):
             raise ValueError("choose_head measures the streaming head against the trained one: it needs serving_head "
                              "and no trained_head_from")
-        self.head_choice = HeadChoice() if choose_head else None
+        self.head_choice = HeadChoice(measure="stream" if choose_head is True else choose_head) if choose_head else None
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
@@ -123,6 +124,10 @@ class ContinualLearner(Serving, HeadClasses):
         self.ensure_classes(int(labels.max()) + 1)
         if self.head_choice is not None:
             self._score_heads(images, frozen, labels)
+            if self.head_choice.held is not None:
+                pixels, images, frozen, labels = self._hold_back(pixels, images, frozen, labels)
+                if not labels.numel():
+                    return {}
         self._update_stream_head(frozen, labels)
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
@@ -148,6 +153,19 @@ class ContinualLearner(Serving, HeadClasses):
         known = seen[labels.cpu()].to(labels.device)
         if bool(known.any()):
             self.head_choice.score(self.head_probabilities(stored[known], frozen[known]), labels[known])
+
+    def _hold_back(self, pixels, images, frozen, labels):
+        """Keep the samples `learner.heads.held_back` picks out of every head's training, choose the heads on
+        all those held every `measure_every` steps, and return the batch that trains."""
+        held = self.head_choice.held.hold_back(labels.cpu()).to(labels.device)
+        if bool(held.any()):
+            self.head_choice.held.keep(images[held], frozen[held], labels[held])
+            self.samples_seen += int(held.sum())
+        if self.steps % self.head_choice.measure_every == 0 and self.head_choice.held.measured():
+            stored, features, held_labels = self.head_choice.held.stacked()
+            self.head_choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), held_labels)
+        keep = ~held
+        return pixels[keep], images[keep], frozen[keep], labels[keep]
 
     def warm_up(self) -> None:
         """Build what the first step would (the frozen part's onnxruntime session: its trace passes through
