@@ -228,6 +228,7 @@ class LearnerSpec:
     latent_bf16: bool
     serving_bn: str
     trained_head_from: int | None
+    head_measure: str = "stream"
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -249,7 +250,8 @@ class LearnerSpec:
                             latent_dtype=torch.bfloat16 if self.latent_bf16 else None, serving_bn=self.serving_bn,
                             serving_bias=lineage.serving_bias, backbone=backbone,
                             serving_head="slda" if lineage.head in ("slda", "chosen") else None,
-                            trained_head_from=self.trained_head_from, choose_head=lineage.head == "chosen")
+                            trained_head_from=self.trained_head_from,
+                            choose_head=self.head_measure if lineage.head == "chosen" else False)
 
     def config(self) -> dict:
         """The learner's configuration as `/status` shows it."""
@@ -259,6 +261,7 @@ class LearnerSpec:
                 "image_size": lineage.image_size, **lineage.backbone_settings(), "lr": lineage.lr,
                 "replay_batch": self.replay_batch, **lineage.replay_objective(), **lineage.stronger_learner(),
                 "head": lineage.head, **({"trained_head_from": n} if (n := self.trained_head_from) else {}),
+                **({"head_measure": self.head_measure} if lineage.head == "chosen" else {}),
                 "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias}
 
 
@@ -282,7 +285,7 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
     device = resolve_device(settings.device)
     return LearnerSpec(lineage, device, settings.mem_size, settings.k, settings.n_candidates, settings.per_class,
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
-                       settings.trained_head_from)
+                       settings.trained_head_from, settings.head_measure)
 
 
 def check_learner(settings: Settings) -> None:

@@ -87,6 +87,10 @@ class Settings(BaseSettings):
         "on the memory's features, (lite0) streaming LDA on the frozen features, which every sample reaches, or "
         "(lite0) chosen: each class by the head the stream measures best on it, streaming LDA, the trained top or "
         "their mean (learner.heads.head_choice) (unset: softmax from scratch, slda on lite0)")
+    head_measure: Literal["stream", "held-back"] = Field(
+        "stream", description="with ASER_HEAD=chosen: choose each class's head on the incoming samples, scored before "
+        "each step (stream), or on a few samples of every class held back from all training (held-back: "
+        "learner.heads.held_back), which see an old class forgotten")
     trained_head_from: int | None = Field(None, ge=1, description="with ASER_HEAD=slda: the trained head serves "
                                           "(and snapshots export it) once every class seen has this many samples, "
                                           "streaming LDA while any is younger (unset: streaming LDA always)")

@@ -213,7 +213,8 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
 
 def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(server, photos):
     """ASER_HEAD=chosen: each head is scored on every batch before its step; /status gives what each
-    measured and which answers each class; the snapshot exports that answer and says so."""
+    measured and which answers each class; the snapshot exports that answer and says so. Measured on held-back
+    samples (ASER_HEAD_MEASURE=held-back), the stream's scores are still reported."""
     from clients.onnx_client import OnnxClassifier
     from service.lineage import check_learner
     from service.settings import Settings
@@ -221,7 +222,7 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     with pytest.raises(ValueError, match="ASER_HEAD=chosen"):
         check_learner(Settings(backbone="scratch", head="chosen"))
     server.stop()
-    server.env["ASER_HEAD"] = "chosen"
+    server.env.update(ASER_HEAD="chosen", ASER_HEAD_MEASURE="held-back")
     server.start()
     received = status(server)["samples_received"]
     for label in ("cat", "coffee"):  # classes the heads know: scored before the step
@@ -231,7 +232,10 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
         assert r.status_code == 201, r.text
     st = wait_trained(server, received + 10, timeout=600)
     assert st["serving_head"] == "chosen" and st["config"]["head"] == "chosen"
+    assert st["config"]["head_measure"] == "held-back"
     measured = st["head_choice"]
+    # no class has sent its 20th sample since the restart: nothing held back yet
+    assert measured["measure"] == "held-back" and measured["held_back"] == {"samples": 0, "accuracy": {}}
     assert set(measured["window_accuracy"]) == {"slda", "top", "mix", "served"}
     assert 0 <= measured["window_accuracy"]["slda"] <= 1 and {"cat", "coffee"} <= set(measured["classes"])
     # too few samples to measure a class yet: streaming LDA answers every one
@@ -247,4 +251,4 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     theirs = clf.predict([io.BytesIO(i) for i in images], k=1)
     assert [t[0]["label"] for t in theirs] == [m[0]["label"] for m in ours]
     assert np.allclose([t[0]["probability"] for t in theirs], [m[0]["probability"] for m in ours], atol=1e-3)
-    del server.env["ASER_HEAD"]
+    del server.env["ASER_HEAD"], server.env["ASER_HEAD_MEASURE"]

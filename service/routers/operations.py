@@ -135,7 +135,8 @@ def status(rt: Runtime) -> dict:
         "serving_current": published.current,
         "serving_head": p.head_name,
         "head_choice": None if p.choice_summary is None else {
-            "window_accuracy": p.choice_summary["window_accuracy"],
+            "measure": p.choice_summary["measure"], "window_accuracy": p.choice_summary["window_accuracy"],
+            **{k: p.choice_summary[k] for k in ("held_back",) if k in p.choice_summary},
             "classes": {classes[c]: v for c, v in p.choice_summary["classes"].items()
                         if c < len(classes) and classes[c] is not None}},
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
