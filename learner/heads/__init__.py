@@ -4,7 +4,8 @@
   memory), their features, the served head, predictions.
 - `streaming_lda` (streaming LDA on the frozen features), `ncm` (nearest class mean on the memory),
   `bias_correction` (a logit bias fitted on the memory): the heads besides the trained one.
-- `head_choice`: which head answers each class, as the stream measures it.
+- `head_choice`: which head answers each class, as the stream measures it; `held_back`: the samples
+  no head trains on that it may measure on instead.
 
 Imports `learner.networks` only.
 """
