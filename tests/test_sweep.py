@@ -114,6 +114,20 @@ def test_a_grid_naming_a_method_this_code_lacks_is_refused(tmp_path):
         read_grid(grid)
 
 
+def test_a_sweep_whose_code_changed_starts_no_more_runs(tmp_path, cache_dir, monkeypatch):
+    """A running sweep names runs by the code it started with: once its file changes (an option added to the
+    names), it would take a new run for one already done; it starts nothing more and says to restart it."""
+    import clients.bench.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "STARTED_AS", "an older file")
+    lines: list[str] = []
+    assert sweep(write_grid(tmp_path, cache_dir), tmp_path / "out", jobs=1, log_dir=tmp_path / "logs",
+                 printer=lines.append) == ([], 0)
+    assert "changed since this sweep started" in lines[-1] and not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    assert not sweep_module.code_changed()
+
+
 def test_a_held_lock_is_respected_and_a_dead_ones_taken_over(tmp_path, cache_dir):
     spec = RunSpec("cifar10", "er", 30, "joint", "ce", "fp32", 5,
                    extra=(("cache_dir", str(cache_dir)), ("test_per_class", 10), ("train_per_class", 20)))

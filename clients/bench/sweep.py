@@ -37,6 +37,7 @@ task of each run in flight.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -56,6 +57,9 @@ AXES = ("dataset", "method", "mem_size", "step", "loss", "precision", "seed", "a
         "train_per_class")
 DEFAULTS = {"mem_size": 1000, "step": "joint", "loss": "ce", "precision": "fp32", "augment": False, "iterations": 1,
             "ema": 0, "train_per_class": 0}
+# a sweep names runs by the code it started with: an option added since would name a run as one already done
+SOURCE = Path(__file__)
+STARTED_AS = hashlib.blake2b(SOURCE.read_bytes(), digest_size=8).hexdigest()
 PRECISION_FLAGS = {"fp32": [], "bf16-latent": ["--bf16-latent"], "bf16": ["--bf16"], "bf16-compile": ["--bf16", "--compile"]}
 
 
@@ -275,8 +279,8 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
 
 def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, device: str = "auto",
           log_dir: Path = Path(".cache/sweep-logs"), dry_run: bool = False, printer=print) -> tuple[list[Path], int]:
-    """Run what is missing, reading the grid again before each run; returns the result files
-    written by this call and the count of failed runs."""
+    """Run what is missing, reading the grid again before each run (and starting none once this module's
+    file has changed); returns the result files written by this call and the count of failed runs."""
     grid = read_grid(grid_path)
     todo = missing(grid, out)
     printer(f"{len(todo)} runs to do in {out} ({len(expand(grid)) - len(todo)} already there)")
@@ -290,9 +294,13 @@ def sweep(grid_path: Path, out: Path, jobs: int, threads: int | None = None, dev
     failed, finished = 0, 0
     tried: set[RunSpec] = set()  # started by this call: a failed run is not retried in a loop
     running: dict[Future, RunSpec] = {}
+    stopping = False  # this module's file changed: no more runs start
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         while True:
-            while len(running) < jobs:
+            while len(running) < jobs and not stopping:
+                if stopping := code_changed():
+                    printer(f"{SOURCE} changed since this sweep started: it starts no more runs (restart it)")
+                    break
                 grid = reread(grid_path, grid, printer)
                 spec = next((s for s in missing(grid, out) if s not in tried), None)
                 if spec is None:
@@ -335,6 +343,14 @@ def checkpoint_path(target: Path) -> Path:
 def missing(grid: dict, out: Path) -> list[RunSpec]:
     """The grid's combinations whose result file is not in `out`, in the order they run."""
     return [s for s in expand(grid) if not (out / s.dataset / s.file_name()).exists()]
+
+
+def code_changed() -> bool:
+    """Whether this module's file differs from the code this process runs."""
+    try:
+        return hashlib.blake2b(SOURCE.read_bytes(), digest_size=8).hexdigest() != STARTED_AS
+    except OSError:
+        return False
 
 
 def reread(grid_path: Path, grid: dict, printer) -> dict:
