@@ -118,3 +118,33 @@ def test_lean_steps_pass_through_and_forgetting(method, options, stream, cifar10
     assert 2 not in learner.predict(test).tolist()
     learner.refresh_serving()  # a publication: with serving_bn="memory", a corrected copy serves
     assert 2 not in learner.predict(test).tolist()
+
+
+# the option lives in the common step: a memory of each kind, none, a streaming head with a top, a streaming head alone
+EVERY_CASES = [("er", "plain"), ("agem", "plain"), ("ewc", "plain"), ("cb-sv-duel", "lite0"), ("slda", "plain")]
+
+
+@pytest.mark.parametrize("method,options", EVERY_CASES)
+def test_a_step_every_k_batches_and_every_batch_reaches_the_memory(method, options, stream):
+    learner = build(method, options)
+    learner.train_every = 3
+    memory = getattr(learner, "buffer", None)
+    stepped = []
+    for i, (x, y) in enumerate(stream):
+        version, offered = learner.version, memory.n_seen if memory is not None else 0
+        stats = learner.observe(x, y)
+        if learner.version != version:
+            stepped.append(i)
+        elif i % 3:
+            assert stats == {}
+        if memory is not None:  # the batches without a step update the memory too
+            assert memory.n_seen > offered
+    assert stepped == ([0, 3, 6] if method not in STREAM_HEAD_METHODS else [])
+    assert (learner.steps, learner.samples_seen, learner.samples_skipped) == (7, 70, 0)
+    if learner.stream_head is not None:
+        assert int(learner.stream_head.counts.sum()) == 70
+
+
+def test_train_every_needs_a_positive_count():
+    with pytest.raises(ValueError, match="train_every"):
+        make_learner("er", num_classes=4, mem_size=16, train_every=0)

@@ -206,7 +206,7 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age, backbone=getattr(args, "backbone_object", None),
-        **serving_options(args),
+        train_every=getattr(args, "train_every", 1), **serving_options(args),
     )
 
 
@@ -345,6 +345,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "train_samples": int(data.train_y.numel()), "test_samples": int(data.test_y.numel()),
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
+            **({"train_every": args.train_every} if getattr(args, "train_every", 1) != 1 else {}),
             **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),
             **serving_options(args),
         },

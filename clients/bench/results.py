@@ -86,6 +86,8 @@ def run_label(result: dict) -> str:
         modes.append("bias")
     if settings.get("iterations", 1) != 1:
         modes.append(f"{settings['iterations']} iter")
+    if settings.get("train_every", 1) != 1:
+        modes.append(f"a step every {settings['train_every']} batches")
     if settings.get("ema"):
         modes.append(f"ema {settings['ema']:g}")
     if settings.get("one_class_batches"):

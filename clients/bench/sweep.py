@@ -110,6 +110,9 @@ class RunSpec:
         >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
         ...         ("cut", 11), ("serving_head", "slda"), ("choose_head", True))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut11-serveslda-chosen-m1000-seed0.json'
+        >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
+        ...         ("cut", 11), ("serving_head", "slda"), ("choose_head", True), ("train_every", 5))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-serveslda-chosen-every5-m1000-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -147,6 +150,8 @@ class RunSpec:
             parts.append(f"from{extra['trained_head_from']}")
         if extra.get("choose_head"):  # True: measured on the stream; "held-back": on held-back samples
             parts.append("chosen" if extra["choose_head"] is True else f"chosen{extra['choose_head'].replace('-', '')}")
+        if extra.get("train_every", 1) != 1:
+            parts.append(f"every{extra['train_every']}")
         if "lr" in extra:
             parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:

@@ -58,6 +58,9 @@ class AGEM(ContinualLearner):
         self.update_policy.update(self.buffer, images, labels, ctx)
         return {"loss": loss.detach(), "projected": projected}
 
+    def _pass_through(self, images: torch.Tensor, labels: torch.Tensor, lean: bool) -> None:
+        self.update_policy.update(self.buffer, images, labels, self.step_context(self.buffer))
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "buffer": self.buffer.state_dict(), "tasks_ended": self.tasks_ended,
                 "task_hints": self.task_hints}

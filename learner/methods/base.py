@@ -49,8 +49,13 @@ class ContinualLearner(Serving, HeadClasses):
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
-                 trained_head_from: int | None = None, choose_head: bool | str = False):
+                 trained_head_from: int | None = None, choose_head: bool | str = False, train_every: int = 1):
         self.device = torch.device(device)
+        if train_every < 1:
+            raise ValueError(f"train_every must be >= 1, got {train_every}")
+        # a gradient step on one incoming batch in `train_every`: the others reach the memory and a streaming head
+        # only, for a learner whose step costs more than the device can pay on every batch
+        self.train_every = train_every
         self.image_shape = tuple(image_shape)
         self.lr = lr
         if channels_last is None:
@@ -117,21 +122,30 @@ class ContinualLearner(Serving, HeadClasses):
 
         `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation, the
         memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
-        the stream gets a step. `encoded`: the batch's `encode_incoming`, where the caller has it."""
+        the stream gets a step. `encoded`: the batch's `encode_incoming`, where the caller has it. With
+        `train_every` k, only every k-th call steps; the others update the memory (and a streaming head) alone.
+        `steps` counts the calls."""
         pixels = images.to(self.device)
         images, frozen = encoded if encoded is not None else self.encode_incoming(pixels)
         labels = labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
+        trains = self.steps % self.train_every == 0
         if self.head_choice is not None:
-            self._score_heads(images, frozen, labels)
+            if trains:  # scored where the top steps: its forward is part of what a skipped step saves
+                self._score_heads(images, frozen, labels)
             if self.head_choice.held is not None:
                 pixels, images, frozen, labels = self._hold_back(pixels, images, frozen, labels)
-                if not labels.numel():
+                if not labels.numel():  # all held back: nothing trains, the call still counts
+                    self.steps += 1
                     return {}
         self._update_stream_head(frozen, labels)
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
-            stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
-        self.lean_steps += lean
+            if not trains:
+                self._pass_through(images, labels, lean)
+                stats = {}
+            else:
+                stats = self._lean_observe(images, labels) if lean else self._observe(images, labels)
+        self.lean_steps += lean and trains
         if self.forgotten:
             self._silence_forgotten()  # whatever the method's step did to those rows
         self.steps += 1
