@@ -229,6 +229,7 @@ class LearnerSpec:
     serving_bn: str
     trained_head_from: int | None
     head_measure: str = "stream"
+    head_prior: str | None = None
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -251,7 +252,8 @@ class LearnerSpec:
                             serving_bias=lineage.serving_bias, backbone=backbone,
                             serving_head="slda" if lineage.head in ("slda", "chosen") else None,
                             trained_head_from=self.trained_head_from,
-                            choose_head=self.head_measure if lineage.head == "chosen" else False)
+                            choose_head=self.head_measure if lineage.head == "chosen" else False,
+                            head_prior=self.head_prior)
 
     def config(self) -> dict:
         """The learner's configuration as `/status` shows it."""
@@ -262,6 +264,7 @@ class LearnerSpec:
                 "replay_batch": self.replay_batch, **lineage.replay_objective(), **lineage.stronger_learner(),
                 "head": lineage.head, **({"trained_head_from": n} if (n := self.trained_head_from) else {}),
                 **({"head_measure": self.head_measure} if lineage.head == "chosen" else {}),
+                **({"head_prior": self.head_prior} if self.head_prior else {}),
                 "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias}
 
 
@@ -282,10 +285,13 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
     if settings.trained_head_from is not None and lineage.head != "slda":
         raise ValueError(f"ASER_TRAINED_HEAD_FROM hands serving from streaming LDA to the trained head, but this "
                          f"lineage serves ASER_HEAD={lineage.head}: set ASER_HEAD=slda (lite0's default) or unset it")
+    if settings.head_prior is not None and (lineage.head != "chosen" or settings.head_measure != "held-back"):
+        raise ValueError("ASER_HEAD_PRIOR is the prior of the choice on held-back samples: set ASER_HEAD=chosen and "
+                         "ASER_HEAD_MEASURE=held-back, or unset it")
     device = resolve_device(settings.device)
     return LearnerSpec(lineage, device, settings.mem_size, settings.k, settings.n_candidates, settings.per_class,
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
-                       settings.trained_head_from, settings.head_measure)
+                       settings.trained_head_from, settings.head_measure, settings.head_prior)
 
 
 def check_learner(settings: Settings) -> None:

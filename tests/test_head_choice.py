@@ -157,3 +157,21 @@ def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():
     assert paired_search(torch.stack([slda, top, mix]), labels, torch.tensor([0, 0]), [0, 1], compose).tolist() == [0, 0]
     # a class not yet measured never moves
     assert paired_search(torch.stack([slda, top, mix]), labels, start, [0], compose)[1] == 1
+
+
+def test_a_prior_takes_each_measured_class_unless_its_samples_show_it_worse():
+    labels = torch.tensor([0] * 20 + [1] * 20 + [2] * 20)
+    zero, one, two = torch.eye(3) * 0.8 + 0.1 / 1.5
+    slda = torch.stack([zero] * 20 + [one] * 20 + [two] * 20)  # right on every sample
+    top = torch.stack([zero] * 60)  # wrong on classes 1 and 2
+    worse = torch.tensor([0.5, 0.47, 0.03])  # the mean's answer to class 2's last sample: wrong
+    mix = torch.stack([zero] * 20 + [one] * 20 + [two] * 19 + [worse])  # as right on classes 0 and 1, not 2
+    stacked, start = torch.stack([slda, top, mix]), torch.tensor([0, 0, 0])
+    # without a prior a tie moves nothing; with the mean as the prior every class it is as right on goes to it,
+    # and one it is measured worse on (class 2: the last sample) and one not yet measured (class 1) stay
+    assert paired_search(stacked, labels, start, [0, 2], compose).tolist() == [0, 0, 0]
+    prior = CANDIDATES.index("mix")
+    assert paired_search(stacked, labels, start, [0, 2], compose, preferred=prior).tolist() == [prior, 0, 0]
+    with pytest.raises(ValueError, match="held-back"):
+        make_learner("cb-sv-duel", 4, backbone=PretrainedBackbone(input_size=64), serving_head="slda",
+                     choose_head=True, head_prior="mix")

@@ -214,15 +214,17 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
 def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(server, photos):
     """ASER_HEAD=chosen: each head is scored on every batch before its step; /status gives what each
     measured and which answers each class; the snapshot exports that answer and says so. Measured on held-back
-    samples (ASER_HEAD_MEASURE=held-back), the stream's scores are still reported."""
+    samples (ASER_HEAD_MEASURE=held-back, with the mean as the prior), the stream's scores are still reported."""
     from clients.onnx_client import OnnxClassifier
-    from service.lineage import check_learner
+    from service.lineage import check_learner, describe_learner
     from service.settings import Settings
 
     with pytest.raises(ValueError, match="ASER_HEAD=chosen"):
         check_learner(Settings(backbone="scratch", head="chosen"))
+    with pytest.raises(ValueError, match="ASER_HEAD_PRIOR"):  # a prior of the choice on held-back samples only
+        describe_learner(Settings(backbone="lite0", head="chosen", head_prior="mix", device="cpu"), None)
     server.stop()
-    server.env.update(ASER_HEAD="chosen", ASER_HEAD_MEASURE="held-back")
+    server.env.update(ASER_HEAD="chosen", ASER_HEAD_MEASURE="held-back", ASER_HEAD_PRIOR="mix")
     server.start()
     received = status(server)["samples_received"]
     for label in ("cat", "coffee"):  # classes the heads know: scored before the step
@@ -232,10 +234,11 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
         assert r.status_code == 201, r.text
     st = wait_trained(server, received + 10, timeout=600)
     assert st["serving_head"] == "chosen" and st["config"]["head"] == "chosen"
-    assert st["config"]["head_measure"] == "held-back"
+    assert st["config"]["head_measure"] == "held-back" and st["config"]["head_prior"] == "mix"
     measured = st["head_choice"]
     # no class has sent its 20th sample since the restart: nothing held back yet
-    assert measured["measure"] == "held-back" and measured["held_back"] == {"samples": 0, "accuracy": {}}
+    assert measured["measure"] == "held-back" and measured["prior"] == "mix"
+    assert measured["held_back"] == {"samples": 0, "accuracy": {}}
     assert set(measured["window_accuracy"]) == {"slda", "top", "mix", "served"}
     assert 0 <= measured["window_accuracy"]["slda"] <= 1 and {"cat", "coffee"} <= set(measured["classes"])
     # too few samples to measure a class yet: streaming LDA answers every one
@@ -251,4 +254,4 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     theirs = clf.predict([io.BytesIO(i) for i in images], k=1)
     assert [t[0]["label"] for t in theirs] == [m[0]["label"] for m in ours]
     assert np.allclose([t[0]["probability"] for t in theirs], [m[0]["probability"] for m in ours], atol=1e-3)
-    del server.env["ASER_HEAD"], server.env["ASER_HEAD_MEASURE"]
+    del server.env["ASER_HEAD"], server.env["ASER_HEAD_MEASURE"], server.env["ASER_HEAD_PRIOR"]

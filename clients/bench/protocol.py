@@ -214,7 +214,8 @@ def serving_options(args) -> dict:
     """The served head's options as set: what builds the learner and what its result records."""
     return {**({"serving_head": args.serving_head} if args.serving_head else {}),
             **({"trained_head_from": args.trained_head_from} if args.trained_head_from else {}),
-            **({"choose_head": args.choose_head} if getattr(args, "choose_head", False) else {})}
+            **({"choose_head": args.choose_head} if getattr(args, "choose_head", False) else {}),
+            **({"head_prior": args.head_prior} if getattr(args, "head_prior", None) else {})}
 
 
 def stream_passes(args, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[list[int]], bool]:

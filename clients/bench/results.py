@@ -105,7 +105,8 @@ def run_label(result: dict) -> str:
         modes.append(f"serve {settings['serving_head']}"
                      + (f" until {settings['trained_head_from']} a class" if settings.get("trained_head_from") else "")
                      + {True: " or the head measured better", "held-back": " or the head measured better on held-back "
-                        "samples"}.get(settings.get("choose_head"), ""))
+                        "samples"}.get(settings.get("choose_head"), "")
+                     + (f", prior {settings['head_prior']}" if settings.get("head_prior") else ""))
     if backbone and settings.get("lr", 0.1) != 0.1:
         modes.append(f"lr {settings['lr']:g}")
     if result.get("via"):

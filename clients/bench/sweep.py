@@ -150,6 +150,8 @@ class RunSpec:
             parts.append(f"from{extra['trained_head_from']}")
         if extra.get("choose_head"):  # True: measured on the stream; "held-back": on held-back samples
             parts.append("chosen" if extra["choose_head"] is True else f"chosen{extra['choose_head'].replace('-', '')}")
+        if extra.get("head_prior"):
+            parts.append(f"prior{extra['head_prior']}")
         if extra.get("train_every", 1) != 1:
             parts.append(f"every{extra['train_every']}")
         if "lr" in extra:

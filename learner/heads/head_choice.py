@@ -12,7 +12,9 @@ its head, renormalised (`compose`); where every class has the same head they are
 In a class-incremental stream the incoming samples are the newest classes': a class keeps the choice
 measured while it was last seen. `measure="held-back"` chooses on samples of every class seen that no head
 trained on instead (`learner.heads.held_back`): the learner holds a few back from each class and asks
-`choose_on_held` every MEASURE_EVERY steps; the stream's scores are then only reported.
+`choose_on_held` every MEASURE_EVERY steps; the stream's scores are then only reported. There a `prior` head
+takes each measured class unless its held samples show it worse (the mean, "mix", was the best answer on every
+stream measured: docs/results/adapting.md).
 
 >>> import torch
 >>> choice = HeadChoice(window=4, min_scored=2, margin=0.25)
@@ -45,10 +47,13 @@ MEASURE_EVERY = 50  # steps between choices on the held-back samples
 
 class HeadChoice:
     def __init__(self, window: int = WINDOW, min_scored: int = MIN_SCORED, margin: float = MARGIN,
-                 measure: str = "stream"):
+                 measure: str = "stream", prior: str | None = None):
         if measure not in MEASURES:
             raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
+        if prior is not None and (prior not in CANDIDATES or measure != "held-back"):
+            raise ValueError(f"a prior is one of {CANDIDATES}, for the choice on held-back samples; got {prior!r}")
         self.window, self.min_scored, self.margin, self.measure = window, min_scored, margin, measure
+        self.prior = prior
         self.hits: dict[str, dict[int, deque[bool]]] = {h: {} for h in (*CANDIDATES, "served")}
         self.chosen: dict[int, str] = {}
         self.held = HeldBack() if measure == "held-back" else None
@@ -80,7 +85,9 @@ class HeadChoice:
     def choose_on_held(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """Choose again on the held-back samples: each candidate's probabilities of them, and their labels."""
         stacked = torch.stack([probabilities[h] for h in CANDIDATES])
-        choice = paired_search(stacked, labels, self.choice(stacked.shape[2]), self.held.measured(), compose)
+        preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
+        choice = paired_search(stacked, labels, self.choice(stacked.shape[2]), self.held.measured(), compose,
+                               preferred)
         self.chosen = {c: CANDIDATES[int(h)] for c, h in enumerate(choice) if CANDIDATES[int(h)] != STREAMING}
         answers = {**{h: stacked[i] for i, h in enumerate(CANDIDATES)}, "served": compose(stacked, choice)}
         self.held_accuracy = {h: round(float((p.argmax(1) == labels).float().mean()), 4) for h, p in answers.items()}
@@ -109,7 +116,8 @@ class HeadChoice:
         per_class = {c: {"head": self.head_of(c), **{h: self.accuracy(h, c) for h in CANDIDATES}}
                      for c in sorted(self.hits["served"])}
         held = {} if self.held is None else {"held_back": {"samples": len(self.held), "accuracy": self.held_accuracy}}
-        return {"measure": self.measure, "window_accuracy": overall, **held, "classes": per_class}
+        prior = {} if self.prior is None else {"prior": self.prior}
+        return {"measure": self.measure, **prior, "window_accuracy": overall, **held, "classes": per_class}
 
     def forget(self, class_id: int) -> None:
         for by_class in self.hits.values():

@@ -10,7 +10,8 @@ samples, so the choice can see it forgotten.
 `paired_search` chooses each class's head on them by the whole served answer (the composed probabilities of
 `learner.heads.head_choice.compose`), as a paired comparison: a move (one class, or every measured class, to
 another head) is taken when the samples it turns right outnumber those it turns wrong by Z standard deviations
-of a sign test (and by MIN_LEAD); the best such move first, at most MAX_MOVES a search.
+of a sign test (and by MIN_LEAD); the best such move first, at most MAX_MOVES a search. A `preferred` head (a
+prior) takes a measured class unless the samples show it worse: a move to it needs no lead, only none against.
 
 >>> import torch
 >>> held = HeldBack(hold_from=2, every=2, per_class=2)
@@ -78,9 +79,21 @@ class HeldBack:
 
 
 def paired_search(stacked: torch.Tensor, labels: torch.Tensor, choice: torch.Tensor, movable: list[int],
-                  compose) -> torch.Tensor:
+                  compose, preferred: int | None = None) -> torch.Tensor:
     """Candidates' probabilities [heads, n, classes] of held samples, their labels, each class's head now
-    [classes] -> each class's head after the moves the samples support (only `movable` classes move)."""
+    [classes] -> each class's head after the moves the samples support (only `movable` classes move), a move
+    to the `preferred` head (an index) wherever the samples do not show it worse.
+
+    >>> import torch
+    >>> from learner.heads.head_choice import compose
+    >>> head_0 = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])  # right on all three
+    >>> head_1 = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.4]])  # wrong on the third, for class 0
+    >>> stacked, labels, now = torch.stack([head_0, head_1]), torch.tensor([0, 1, 1]), torch.tensor([0, 0])
+    >>> paired_search(stacked, labels, now, [0, 1], compose).tolist()  # no lead for head 1: nothing moves
+    [0, 0]
+    >>> paired_search(stacked, labels, now, [0, 1], compose, preferred=1).tolist()  # class 0 as right under it
+    [1, 0]
+    """
     choice = choice.clone()
     right = compose(stacked, choice).argmax(1) == labels
     for _ in range(MAX_MOVES):
@@ -89,7 +102,9 @@ def paired_search(stacked: torch.Tensor, labels: torch.Tensor, choice: torch.Ten
             answers = compose(stacked, trial).argmax(1) == labels
             wins, losses = int((answers & ~right).sum()), int((~answers & right).sum())
             lead = wins - losses
-            if lead >= max(MIN_LEAD, Z * math.sqrt(wins + losses)) and (best is None or lead > best[0]):
+            to_prior = preferred is not None and bool((trial[trial != choice] == preferred).all())
+            needed = 0 if to_prior else max(MIN_LEAD, Z * math.sqrt(wins + losses))
+            if lead >= needed and (best is None or lead > best[0]):
                 best = (lead, trial, answers)
         if best is None:
             break

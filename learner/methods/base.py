@@ -49,7 +49,8 @@ class ContinualLearner(Serving, HeadClasses):
                  autocast_dtype: torch.dtype | None = None, latent_dtype: torch.dtype | None = None,
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
-                 trained_head_from: int | None = None, choose_head: bool | str = False, train_every: int = 1):
+                 trained_head_from: int | None = None, choose_head: bool | str = False, head_prior: str | None = None,
+                 train_every: int = 1):
         self.device = torch.device(device)
         if train_every < 1:
             raise ValueError(f"train_every must be >= 1, got {train_every}")
@@ -96,11 +97,14 @@ class ContinualLearner(Serving, HeadClasses):
                              "serving_head and a count of at least 1")
         self.trained_head_from = trained_head_from
         # or the stream measures, class by class, which head answers (`learner.heads.head_choice`): on the incoming
-        # samples (True, "stream") or on samples held back from training ("held-back")
+        # samples (True, "stream") or on samples held back from training ("held-back"), there with a `head_prior`
         if choose_head and (self.stream_head is None or trained_head_from is not None):
             raise ValueError("choose_head measures the streaming head against the trained one: it needs serving_head "
                              "and no trained_head_from")
-        self.head_choice = HeadChoice(measure="stream" if choose_head is True else choose_head) if choose_head else None
+        if head_prior is not None and choose_head != "held-back":
+            raise ValueError("head_prior is the choice on held-back samples' prior: it needs choose_head='held-back'")
+        measure = "stream" if choose_head is True else choose_head
+        self.head_choice = HeadChoice(measure=measure, prior=head_prior) if choose_head else None
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
