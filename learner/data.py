@@ -10,6 +10,8 @@ Supported inputs (the format is recognised from the path):
   Mini-ImageNet). A `classes.txt` beside the class folders fixes the class order; otherwise
   it is the sorted folder names (which is CIFAR's standard order). EuroSAT's `<Class>/<Class>_<n>.jpg`
   ships no split: the shared one holds out every image whose n is a multiple of 5 (`EUROSAT_TEST_EVERY`).
+- `photos`: an image folder of any number of classes, its photos of any size, each brought to `input_size` a side
+  by the service's own input rule (`learner.formats.snapshot.read_image`); two classes a task, the last may hold one.
 
 Images come out as uint8 [N, 3, H, W], labels as int64 class ids in the fixed class order, so
 that task t holds classes [t * c, (t + 1) * c) as in the paper.
@@ -33,6 +35,7 @@ import torch
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 TASKS = {"cifar10": 5, "cifar100": 10, "mini-imagenet": 10, "eurosat": 5}
 CLASSES = {"cifar10": 10, "cifar100": 100, "mini-imagenet": 100, "eurosat": 10}
+PHOTOS = "photos"  # a camera's photo set: any class count, any size (`load_dataset(..., input_size=)`)
 # EuroSAT (Helber et al. 2019) ships no split: ../shared/datasets/README.md fixes one, the images numbered by a
 # multiple of 5 held out (21,600 / 5,400), training images in the order of their number
 EUROSAT_TEST_EVERY = 5
@@ -62,7 +65,9 @@ class ImageDataset:
         return tuple(self.train_x.shape[1:])
 
     def tasks(self, n_tasks: int | None = None) -> list[list[int]]:
-        """The paper's fixed split: consecutive class ids, equally many per task."""
+        """The paper's fixed split: consecutive class ids, equally many per task (a photo set: two a task)."""
+        if self.name == PHOTOS and n_tasks is None:
+            return [list(range(c, min(c + 2, self.num_classes))) for c in range(0, self.num_classes, 2)]
         n_tasks = n_tasks or TASKS.get(self.name, 1)
         if self.num_classes % n_tasks:
             raise DatasetError(f"{self.num_classes} classes cannot be split into {n_tasks} equal tasks")
@@ -71,13 +76,21 @@ class ImageDataset:
 
 
 def load_dataset(name: str, path: str | os.PathLike, train_per_class: int | None = None,
-                 test_per_class: int | None = None, cache_dir: str | os.PathLike | None = None) -> ImageDataset:
-    """Load `name` (cifar10, cifar100, mini-imagenet, eurosat) from `path`, optionally a per-class slice."""
-    if name not in CLASSES:
-        raise DatasetError(f"unknown dataset {name!r}; expected one of {', '.join(CLASSES)}")
+                 test_per_class: int | None = None, cache_dir: str | os.PathLike | None = None,
+                 input_size: int | None = None) -> ImageDataset:
+    """Load `name` (cifar10, cifar100, mini-imagenet, eurosat, or photos at `input_size`) from `path`,
+    optionally a per-class slice."""
+    if name not in CLASSES and name != PHOTOS:
+        raise DatasetError(f"unknown dataset {name!r}; expected one of {', '.join([*CLASSES, PHOTOS])}")
+    if (name == PHOTOS) != (input_size is not None):
+        raise DatasetError(f"input_size brings a photo set's photos to one size: it goes with {PHOTOS!r} alone")
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset path {path} does not exist; expected {_expected(name)}")
+    if name == PHOTOS:
+        if not (path.is_dir() or zipfile.is_zipfile(path)):
+            raise DatasetError(f"{path} is not a dataset this loader reads; expected {_expected(name)}")
+        return _cached(path, name, train_per_class, test_per_class, cache_dir, input_size)
     if path.is_dir() and (path / "data_batch_1").exists():
         data = _cifar10_pickles(path, name)
     elif path.is_dir() and (path / "train").is_file() and (path / "meta").is_file():
@@ -94,12 +107,12 @@ def load_dataset(name: str, path: str | os.PathLike, train_per_class: int | None
 def _expected(name: str) -> str:
     pickles = {"cifar10": "a cifar-10-batches-py/ folder", "cifar100": "a cifar-100-python/ folder",
                "mini-imagenet": "a folder with mini-imagenet-cache-{train,val,test}.pkl",
-               "eurosat": "EuroSAT RGB's <Class>/<Class>_<n>.jpg"}[name]
+               "eurosat": "EuroSAT RGB's <Class>/<Class>_<n>.jpg", PHOTOS: "photos"}[name]
     return f"{pickles}, or an image folder or .zip with train/<class>/ and test/<class>/ (or <class>/ alone)"
 
 
 def _check(data: ImageDataset, name: str) -> ImageDataset:
-    if data.num_classes != CLASSES[name]:
+    if name != PHOTOS and data.num_classes != CLASSES[name]:
         raise DatasetError(f"{name} needs {CLASSES[name]} classes, found {data.num_classes}: "
                            f"{', '.join(data.class_names[:12])}{' ...' if data.num_classes > 12 else ''}")
     return data
@@ -253,14 +266,21 @@ def _class_order(tree: _Tree, prefix: str, found: list[str]) -> list[str]:
     return sorted(found)
 
 
-def _decode(tree: _Tree, files: list[str]) -> torch.Tensor:
+def _decode(tree: _Tree, files: list[str], size: int | None = None) -> torch.Tensor:
+    """The files' images as uint8 [N, 3, H, W], all of one size, or each brought to `size` a side by the
+    service's input rule."""
     from PIL import Image
+
+    from .formats.snapshot import read_image
 
     arrays, shape = [], None
     for f in files:
         try:
-            with Image.open(io.BytesIO(tree.read(f))) as im:
-                arr = np.asarray(im.convert("RGB"), dtype=np.uint8)
+            if size is not None:
+                arr = read_image(tree.read(f), size).transpose(1, 2, 0)
+            else:
+                with Image.open(io.BytesIO(tree.read(f))) as im:
+                    arr = np.asarray(im.convert("RGB"), dtype=np.uint8)
         except Exception as exc:
             raise DatasetError(f"{tree.path}: cannot decode {f}: {exc}") from exc
         if shape is None:
@@ -274,7 +294,8 @@ def _decode(tree: _Tree, files: list[str]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
 
 
-def _image_folder(path: Path, name: str, train_per_class: int | None, test_per_class: int | None) -> ImageDataset:
+def _image_folder(path: Path, name: str, train_per_class: int | None, test_per_class: int | None,
+                  size: int | None = None) -> ImageDataset:
     tree = _Tree(path)
     prefix, has_split = _layout(tree)
     if has_split:
@@ -286,7 +307,7 @@ def _image_folder(path: Path, name: str, train_per_class: int | None, test_per_c
         parts = []
         for files, limit in ((train, train_per_class), (test, test_per_class)):
             chosen = [files[c][:limit] for c in names]
-            parts.append((_decode(tree, sum(chosen, [])),
+            parts.append((_decode(tree, sum(chosen, []), size),
                           torch.cat([torch.full((len(f),), i, dtype=torch.long) for i, f in enumerate(chosen)])))
         (trx, try_), (tex, tey) = parts
         return ImageDataset(name, trx, try_, tex, tey, names)
@@ -295,7 +316,7 @@ def _image_folder(path: Path, name: str, train_per_class: int | None, test_per_c
     files = [classes[c] for c in names]
     if name == "eurosat":
         return _slice(_numbered_split(tree, name, files, names), train_per_class, test_per_class)
-    x = _decode(tree, sum(files, []))
+    x = _decode(tree, sum(files, []), size)
     y = torch.cat([torch.full((len(f),), i, dtype=torch.long) for i, f in enumerate(files)])
     return _slice(_holdout(name, x, y, names), train_per_class, test_per_class)
 
@@ -330,12 +351,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ASER_CACHE_DIR", Path.home() / ".cache" / "aser"))
 
 
-def _cached(path: Path, name: str, train_per_class, test_per_class, cache_dir) -> ImageDataset:
+def _cached(path: Path, name: str, train_per_class, test_per_class, cache_dir, size: int | None = None) -> ImageDataset:
     """Decoding tens of thousands of JPEGs takes a while: keep the uint8 arrays in a cache
-    (outside the repository), keyed by the file's identity and the slice."""
+    (outside the repository), keyed by the file's identity, the slice and the size photos are brought to."""
     stat = path.stat()
-    key = hashlib.sha256(repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, name, train_per_class,
-                               test_per_class, 2)).encode()).hexdigest()[:20]
+    identity = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, name, train_per_class, test_per_class, 2)
+    key = hashlib.sha256(repr(identity + ((size,) if size is not None else ())).encode()).hexdigest()[:20]
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     file = cache / f"{name}-{key}.pt"
     if file.exists():
@@ -345,7 +366,7 @@ def _cached(path: Path, name: str, train_per_class, test_per_class, cache_dir) -
                                        list(d["class_names"])), name)
         except Exception:
             file.unlink(missing_ok=True)  # a torn or stale cache file is simply rebuilt
-    data = _check(_image_folder(path, name, train_per_class, test_per_class), name)
+    data = _check(_image_folder(path, name, train_per_class, test_per_class, size), name)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".tmp{os.getpid()}")

@@ -9,7 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
+from clients.bench.local_service import real_jpegs
 from learner.data import DatasetError, load_dataset, task_batches, task_test_set
+from learner.formats.snapshot import read_image
 
 from .conftest import CIFAR10_ZIP, EUROSAT_ZIP, MINI_ZIP
 
@@ -194,3 +196,28 @@ def test_mini_imagenet_travels_in_chunks_and_comes_back_whole(tmp_path, cache_di
     assert originals == sorted(p.relative_to(tmp_path / "back") for p in (tmp_path / "back").rglob("*") if p.is_file())
     assert all((src / p).read_bytes() == (tmp_path / "back" / p).read_bytes() for p in originals)
     assert load_dataset("mini-imagenet", tmp_path / "back", cache_dir=tmp_path / "decoded").num_classes > 0
+
+
+def test_a_photo_set_is_read_as_the_service_reads_each_photo(tmp_path):
+    """`photos`: real CIFAR-10 images brought to camera-like sizes and shapes, each read by the service's input rule."""
+    photos = real_jpegs(CIFAR10_ZIP, 18, classes=["airplane", "cat", "frog"])
+    zipped, sent = tmp_path / "photos.zip", {}
+    with zipfile.ZipFile(zipped, "w") as z:
+        for i, (label, jpeg) in enumerate(photos):
+            out = io.BytesIO()
+            Image.open(io.BytesIO(jpeg)).resize([(320, 240), (240, 320), (500, 333)][i % 3]).save(out, "JPEG", quality=90)
+            name = f"set/{'test' if i in (3, 4, 5) else 'train'}/{label}/{i:03d}.jpg"
+            z.writestr(name, out.getvalue())
+            sent[name] = out.getvalue()
+    data = load_dataset("photos", zipped, input_size=64, cache_dir=tmp_path / "cache")
+    assert data.class_names == ["airplane", "cat", "frog"]
+    assert data.train_x.shape == (15, 3, 64, 64) and data.test_x.shape == (3, 3, 64, 64)
+    assert sorted(data.test_y.tolist()) == [0, 1, 2]
+    first_train = min(n for n in sent if "/train/" in n)  # in the zip's order: airplane's first photo
+    assert np.array_equal(data.train_x[0].numpy(), read_image(sent[first_train], 64)) and data.train_y[0] == 0
+    assert data.tasks() == [[0, 1], [2]]  # two classes a task, as the client stream sends them
+    again = load_dataset("photos", zipped, input_size=64, cache_dir=tmp_path / "cache")  # from the cache
+    assert torch.equal(again.train_x, data.train_x)
+    assert load_dataset("photos", zipped, input_size=32, cache_dir=tmp_path / "cache").train_x.shape[2:] == (32, 32)
+    with pytest.raises(DatasetError, match="input_size"):
+        load_dataset("photos", zipped)

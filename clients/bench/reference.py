@@ -13,9 +13,9 @@ benchmark's own `--method iid-offline` on the same backbone (results/grid-adapti
     python -m clients.bench.reference --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
         --input-size 160 --out results/pretrained/eurosat/reference-head-only-lite0-160px.json
 
-`--dataset photos` reads a zip of photos of any size (`<set>/train/<class>/*` and `<set>/test/<class>/*`), each
-brought to the input size by the service's own input rule (`learner.formats.snapshot.read_image`), so the
-reference sees what `clients.bench.client_stream` sends the service; its tasks are two classes each, as there.
+`--dataset photos` reads a folder or zip of photos of any size (`train/<class>/*` and `test/<class>/*`), each
+brought to the input size by the service's own input rule (`learner.data`'s photo sets), so the reference sees what
+`clients.bench.client_stream` sends the service; its tasks are two classes each, as there.
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ import argparse
 import json
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from learner.data import CLASSES, ImageDataset, load_dataset
-from learner.formats.snapshot import read_image
+from learner.data import CLASSES, PHOTOS, load_dataset
 from learner.networks.backbone import PretrainedBackbone
 
 from .latents import encoded_dataset
@@ -63,30 +61,9 @@ def accuracy(head: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, y: torch.
     return 100.0 * float(((x @ head[0].T + head[1]).argmax(1) == y).double().mean())
 
 
-def photo_dataset(path: str, size: int) -> ImageDataset:
-    """A zip of `<set>/{train,test}/<class>/*` photos, each brought to size x size as the service brings it."""
-    split = {"train": ([], []), "test": ([], [])}
-    with zipfile.ZipFile(path) as z:
-        files = sorted(x for x in z.namelist() if x.lower().endswith((".jpg", ".jpeg", ".png")))
-        names = sorted({x.split("/")[-2] for x in files})
-        for x in files:
-            images, labels = split[x.split("/")[-3]]
-            images.append(torch.from_numpy(read_image(z.read(x), size)))
-            labels.append(names.index(x.split("/")[-2]))
-    (trx, try_), (tex, tey) = ((torch.stack(x), torch.tensor(y)) for x, y in split.values())
-    return ImageDataset("photos", trx, try_, tex, tey, names)
-
-
-def tasks_of(data: ImageDataset) -> list[list[int]]:
-    """The benchmark's split; a photo set's is two classes a task (the last may hold one), as client_stream's."""
-    if data.name != "photos":
-        return data.tasks()
-    return [list(range(c, min(c + 2, data.num_classes))) for c in range(0, data.num_classes, 2)]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", required=True, choices=[*sorted(CLASSES), "photos"])
+    p.add_argument("--dataset", required=True, choices=[*sorted(CLASSES), PHOTOS])
     p.add_argument("--data", required=True)
     p.add_argument("--input-size", type=int, default=160)
     p.add_argument("--threads", type=int, default=1)
@@ -94,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = (photo_dataset(args.data, args.input_size) if args.dataset == "photos"
-            else load_dataset(args.dataset, args.data, cache_dir=args.cache_dir))
+    data = load_dataset(args.dataset, args.data, cache_dir=args.cache_dir,
+                        input_size=args.input_size if args.dataset == PHOTOS else None)
     encoded = encoded_dataset(data, PretrainedBackbone(input_size=args.input_size), args.cache_dir)
     train, test = encoded.train_x.double(), encoded.test_x.double()
     mean, std = train.mean(0), train.std(0).clamp_min(1e-6)
@@ -108,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     l2 = max(L2_GRID, key=lambda v: (validation[v], v))  # the strongest penalty among the best
     head = fit(train, y, classes, l2)
     by_task = []
-    for task in tasks_of(data):
+    for task in data.tasks():
         keep = torch.isin(encoded.test_y, torch.tensor(task))
         by_task.append(round(accuracy(head, test[keep], encoded.test_y[keep]), 2))
     result = {"reference": "head-only", "dataset": args.dataset, "data": Path(args.data).name, "backbone": {"backbone": "lite0",
