@@ -19,7 +19,7 @@ import torch
 
 from learner import METHODS
 from learner.catch_up import MEMORY_SHARE
-from learner.data import CLASSES, ImageDataset, load_dataset
+from learner.data import CLASSES, PHOTOS, ImageDataset, load_dataset
 from learner.heads.streaming_lda import HEADS
 from learner.methods.base import SERVING_BN
 from learner.methods.objective import LOSSES, STEPS
@@ -53,7 +53,8 @@ def output_path(out: str, seed: int, several: bool) -> Path:
 
 def cmd_run(args) -> int:
     try:
-        data = load_dataset(args.dataset, args.data, args.train_per_class, args.test_per_class, args.cache_dir)
+        data = load_dataset(args.dataset, args.data, args.train_per_class, args.test_per_class, args.cache_dir,
+                            input_size=args.input_size if args.dataset == PHOTOS else None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -142,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="replay a class-incremental stream through one method", formatter_class=HelpFormatter)
-    run.add_argument("--dataset", required=True, choices=sorted(CLASSES))
+    run.add_argument("--dataset", required=True, choices=[*sorted(CLASSES), PHOTOS],
+                     help=f"{PHOTOS}: a folder or zip of train/<class>/ and test/<class>/ photos of any size, each "
+                          "brought to --input-size by the service's input rule; two classes a task")
     run.add_argument("--data", required=True, help="dataset path: pickle folder, image folder or .zip")
     run.add_argument("--method", required=True, choices=METHODS)
     run.add_argument("--mem-size", type=int, default=1000, help="replay memory size M")
