@@ -64,3 +64,25 @@ def patient_http_calls():
     yield
     for name, original in patched.items():
         setattr(httpx, name, original)
+
+
+@pytest.fixture(scope="session")
+def camera_photos(tmp_path_factory):
+    """A photo set as a camera gives one: 18 real CIFAR-10 images of 3 classes brought to 320x240, 240x320 and
+    500x333 JPEGs, zipped as set/{train,test}/<class>/ (3 test photos); the zip, and each photo's bytes by name."""
+    import io
+    import zipfile
+
+    from PIL import Image
+
+    from clients.bench.local_service import real_jpegs
+
+    zipped, sent = tmp_path_factory.mktemp("photos") / "photos.zip", {}
+    with zipfile.ZipFile(zipped, "w") as z:
+        for i, (label, jpeg) in enumerate(real_jpegs(CIFAR10_ZIP, 18, classes=["airplane", "cat", "frog"])):
+            out = io.BytesIO()
+            Image.open(io.BytesIO(jpeg)).resize([(320, 240), (240, 320), (500, 333)][i % 3]).save(out, "JPEG", quality=90)
+            name = f"set/{'test' if i in (3, 4, 5) else 'train'}/{label}/{i:03d}.jpg"
+            z.writestr(name, out.getvalue())
+            sent[name] = out.getvalue()
+    return zipped, sent

@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 
-from clients.bench.local_service import real_jpegs
 from learner.data import DatasetError, load_dataset, task_batches, task_test_set
 from learner.formats.snapshot import read_image
 
@@ -198,17 +197,9 @@ def test_mini_imagenet_travels_in_chunks_and_comes_back_whole(tmp_path, cache_di
     assert load_dataset("mini-imagenet", tmp_path / "back", cache_dir=tmp_path / "decoded").num_classes > 0
 
 
-def test_a_photo_set_is_read_as_the_service_reads_each_photo(tmp_path):
+def test_a_photo_set_is_read_as_the_service_reads_each_photo(camera_photos, tmp_path):
     """`photos`: real CIFAR-10 images brought to camera-like sizes and shapes, each read by the service's input rule."""
-    photos = real_jpegs(CIFAR10_ZIP, 18, classes=["airplane", "cat", "frog"])
-    zipped, sent = tmp_path / "photos.zip", {}
-    with zipfile.ZipFile(zipped, "w") as z:
-        for i, (label, jpeg) in enumerate(photos):
-            out = io.BytesIO()
-            Image.open(io.BytesIO(jpeg)).resize([(320, 240), (240, 320), (500, 333)][i % 3]).save(out, "JPEG", quality=90)
-            name = f"set/{'test' if i in (3, 4, 5) else 'train'}/{label}/{i:03d}.jpg"
-            z.writestr(name, out.getvalue())
-            sent[name] = out.getvalue()
+    zipped, sent = camera_photos
     data = load_dataset("photos", zipped, input_size=64, cache_dir=tmp_path / "cache")
     assert data.class_names == ["airplane", "cat", "frog"]
     assert data.train_x.shape == (15, 3, 64, 64) and data.test_x.shape == (3, 3, 64, 64)

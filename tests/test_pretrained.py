@@ -174,6 +174,16 @@ def test_the_benchmark_runs_the_pretrained_backbone_and_records_anytime_accuracy
     assert "slda (20/class, lite0 64px cut 17)" in table.read_text() and "anytime @10" in table.read_text()
 
 
+def test_the_benchmark_runs_on_a_photo_set_at_the_input_size(camera_photos, tmp_path, cache_dir):
+    out = tmp_path / "photos.json"
+    assert main(["run", "--dataset", "photos", "--data", str(camera_photos[0]), "--method", "slda", "--backbone",
+                 "lite0", "--input-size", "64", "--threads", "1", "--quiet", "--cache-dir", str(cache_dir),
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["dataset"] == "photos" and len(result["accuracy_matrix"]) == 2  # two classes a task: [0, 1], [2]
+    assert result["settings"]["train_samples"] == 15 and result["settings"]["backbone"]["input_size"] == 64
+
+
 def test_the_served_streaming_heads_debias_a_young_class_and_lda_waits_for_it():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(400, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (400,), generator=g)
