@@ -105,10 +105,13 @@ def load_dataset(name: str, path: str | os.PathLike, train_per_class: int | None
 
 
 def _expected(name: str) -> str:
+    folder = "an image folder or .zip with train/<class>/ and test/<class>/ (or <class>/ alone)"
+    if name == PHOTOS:
+        return folder
     pickles = {"cifar10": "a cifar-10-batches-py/ folder", "cifar100": "a cifar-100-python/ folder",
                "mini-imagenet": "a folder with mini-imagenet-cache-{train,val,test}.pkl",
-               "eurosat": "EuroSAT RGB's <Class>/<Class>_<n>.jpg", PHOTOS: "photos"}[name]
-    return f"{pickles}, or an image folder or .zip with train/<class>/ and test/<class>/ (or <class>/ alone)"
+               "eurosat": "EuroSAT RGB's <Class>/<Class>_<n>.jpg"}[name]
+    return f"{pickles}, or {folder}"
 
 
 def _check(data: ImageDataset, name: str) -> ImageDataset:
