@@ -169,9 +169,9 @@ def test_dashboard_asks_for_the_read_token(browser, tmp_path):
 
 def test_dashboard_says_which_head_answers_each_class(browser, tmp_path):
     # ASER_HEAD=chosen on the pretrained backbone: each head's windowed accuracy, and the head answering each class;
-    # measured on held-back samples, how many are held (each class's 20th) and each head's accuracy on them
-    server = Server(tmp_path / "svc", backbone="lite0", head="chosen", head_measure="held-back", batch_size=5,
-                    mem_size=20).start()
+    # measured on held-back samples, how many are held (each class's 20th) and each head's accuracy on them; the prior
+    server = Server(tmp_path / "svc", backbone="lite0", head="chosen", head_measure="held-back", head_prior="mix",
+                    batch_size=5, mem_size=20).start()
     try:
         samples = two_classes(20)
         with ServiceClient(server.url) as client:
@@ -180,10 +180,10 @@ def test_dashboard_says_which_head_answers_each_class(browser, tmp_path):
         browser.get(server.url + "/")
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#head-choice tbody tr"))
         name = browser.find_element(By.ID, "head-name").text
-        assert name.startswith("chosen · served ") and " slda " in name and " top " in name
+        assert name.startswith("chosen (prior mix) · served ") and " slda " in name and " top " in name
         assert name.endswith(" · held back (2): served –, slda –, top –, mix –")  # none measured yet
         rows = browser.find_elements(By.CSS_SELECTOR, "#head-choice tbody tr")
         assert sorted(r.get_attribute("data-label") for r in rows) == sorted({label for label, _ in samples})
-        assert all(r.find_elements(By.TAG_NAME, "td")[1].text == "slda" for r in rows)  # too young to measure
+        assert all(r.find_elements(By.TAG_NAME, "td")[1].text == "slda" for r in rows)  # too young: not the prior
     finally:
         server.stop()

@@ -160,14 +160,16 @@ function memoryBars(st) {
 function servingHead(st) {
   // ASER_HEAD=chosen: each head's share of right answers over the classes' recent samples, scored before
   // each step, and the head answering each class (streaming LDA until another is measured better on it);
-  // under ASER_HEAD_MEASURE=held-back also each head's share on the samples held back from training
+  // under ASER_HEAD_MEASURE=held-back also each head's share on the samples held back from training, and the
+  // prior (ASER_HEAD_PRIOR) that takes a measured class unless its held samples show it worse
   const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
   const choice = st.head_choice;
   const shares = (acc) => ["served", "slda", "top", "mix"].map((h) => `${h} ${pct(acc[h])}`).join(", ");
   const overall = choice ? " · " + shares(choice.window_accuracy) : "";
   const held = choice && choice.held_back ? ` · held back (${choice.held_back.samples}): ` +
     shares(choice.held_back.accuracy) : "";
-  $("head-name").textContent = st.serving_head + overall + held;
+  const prior = choice && choice.prior ? ` (prior ${choice.prior})` : "";
+  $("head-name").textContent = st.serving_head + prior + overall + held;
   $("head-choice").hidden = !choice;
   $("head-choice").querySelector("tbody").innerHTML = !choice ? "" : Object.entries(choice.classes).map(([label, c]) =>
     `<tr data-label="${esc(label)}"><td>${esc(label)}</td><td>${c.head}</td><td>${pct(c.slda)}</td>` +
