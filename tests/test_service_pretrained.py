@@ -213,18 +213,27 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
 
 def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(server, photos):
     """ASER_HEAD=chosen: each head is scored on every batch before its step; /status gives what each
-    measured and which answers each class; the snapshot exports that answer and says so. Measured on held-back
-    samples (ASER_HEAD_MEASURE=held-back, with the mean as the prior), the stream's scores are still reported."""
+    measured and which answers each class; the snapshot exports that answer and says so. By default measured on
+    held-back samples with the mean as the prior; the stream's scores are still reported."""
     from clients.onnx_client import OnnxClassifier
     from service.lineage import check_learner, describe_learner
     from service.settings import Settings
 
     with pytest.raises(ValueError, match="ASER_HEAD=chosen"):
         check_learner(Settings(backbone="scratch", head="chosen"))
-    with pytest.raises(ValueError, match="ASER_HEAD_PRIOR"):  # a prior of the choice on held-back samples only
-        describe_learner(Settings(backbone="lite0", head="chosen", head_prior="mix", device="cpu"), None)
+    def choice_of(**settings):
+        spec = describe_learner(Settings(backbone="lite0", device="cpu", **settings), None)
+        return spec.head_measure if spec.lineage.head == "chosen" else None, spec.head_prior
+
+    assert choice_of(head="chosen") == ("held-back", "mix")
+    assert choice_of(head="chosen", head_prior="none") == ("held-back", None)
+    assert choice_of(head="chosen", head_measure="stream") == ("stream", None)
+    assert choice_of() == (None, None)  # streaming LDA alone: no choice, no prior
+    for settings in ({"head": "chosen", "head_measure": "stream"}, {"head": "slda"}):
+        with pytest.raises(ValueError, match="ASER_HEAD_PRIOR"):  # a prior of the choice on held-back samples only
+            choice_of(**settings, head_prior="mix")
     server.stop()
-    server.env.update(ASER_HEAD="chosen", ASER_HEAD_MEASURE="held-back", ASER_HEAD_PRIOR="mix")
+    server.env.update(ASER_HEAD="chosen")
     server.start()
     received = status(server)["samples_received"]
     for label in ("cat", "coffee"):  # classes the heads know: scored before the step
@@ -254,4 +263,4 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     theirs = clf.predict([io.BytesIO(i) for i in images], k=1)
     assert [t[0]["label"] for t in theirs] == [m[0]["label"] for m in ours]
     assert np.allclose([t[0]["probability"] for t in theirs], [m[0]["probability"] for m in ours], atol=1e-3)
-    del server.env["ASER_HEAD"], server.env["ASER_HEAD_MEASURE"], server.env["ASER_HEAD_PRIOR"]
+    del server.env["ASER_HEAD"]
