@@ -85,8 +85,8 @@ class Settings(BaseSettings):
     head: Literal["softmax", "ncm", "slda", "chosen"] | None = Field(
         None, description="what predictions and snapshots answer with: the trained softmax head, nearest class mean "
         "on the memory's features, (lite0) streaming LDA on the frozen features, which every sample reaches, or "
-        "(lite0) chosen: each class by the head the stream measures best on it, streaming LDA, the trained top or "
-        "their mean (learner.heads.head_choice) (unset: softmax from scratch, slda on lite0)")
+        "(lite0) chosen: each class by the head measured best on it (ASER_HEAD_MEASURE), streaming LDA, the trained "
+        "top or their mean (learner.heads.head_choice) (unset: softmax from scratch, slda on lite0)")
     head_measure: Literal["stream", "held-back"] = Field(
         "held-back", description="with ASER_HEAD=chosen: choose each class's head on a few samples of every class "
         "held back from all training (held-back: learner.heads.held_back), which see an old class forgotten, or on "
