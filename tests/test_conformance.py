@@ -37,15 +37,24 @@ OPTIONS = {
     "lite0": {"loss": "ace", "iterations": 2, "ema_decay": 0.99, "serving_head": "slda", "lr": 0.01,
               "backbone": (15, 16)},
     "lite0-8bit": {"loss": "ace", "serving_bias": True, "backbone": (POOLED, 8)},
+    # Adam's step: its moments are state a round trip must carry
+    "adam": {"optimizer": "adam", "lr": 0.001},
+    "lite0-adam": {"loss": "ace", "ema_decay": 0.99, "serving_head": "slda", "optimizer": "adam", "lr": 0.001,
+                   "backbone": (15, 16)},
+    # the top's head reads standardised features: running statistics a round trip must carry
+    "lite0-std": {"loss": "ace", "ema_decay": 0.99, "serving_head": "slda", "lr": 0.01, "backbone": (15, 16, True)},
 }
 CASES = [(m, o) for m in STREAM_METHODS for o in ("plain", "options") if o == "plain" or m in REPLAY_METHODS]
 CASES += [(m, "strong") for m in ("er", "sv-upd", "cb-sv-duel")]
 CASES += [(m, "lite0") for m in ("cb-sv-duel", "er", "aser-mu")] + [("cb-sv-duel", "lite0-8bit")]
+CASES += [(m, "adam") for m in ("er", "cb-sv-duel", "agem", "ewc")] + [("cb-sv-duel", "lite0-adam")]
+CASES += [("cb-sv-duel", "lite0-std")]
 
 
 @lru_cache(maxsize=None)
-def backbone(cut: int, bits: int) -> PretrainedBackbone:
-    return PretrainedBackbone(input_size=64, cut=cut, latent_bits=bits)  # its frozen part never trains: shared
+def backbone(cut: int, bits: int, standardize: bool = False) -> PretrainedBackbone:
+    # its frozen part never trains: shared
+    return PretrainedBackbone(input_size=64, cut=cut, latent_bits=bits, standardize=standardize)
 
 
 def build(method: str, options: str, seed: int = 0):
@@ -148,3 +157,20 @@ def test_a_step_every_k_batches_and_every_batch_reaches_the_memory(method, optio
 def test_train_every_needs_a_positive_count():
     with pytest.raises(ValueError, match="train_every"):
         make_learner("er", num_classes=4, mem_size=16, train_every=0)
+
+
+def test_a_grown_head_keeps_the_moments_of_what_stayed(stream):
+    learner = make_learner("er", num_classes=2, mem_size=16, optimizer="adam", lr=0.001)
+    x, y = stream[0]
+    learner.observe(x[y < 2], y[y < 2])
+    before = {name: learner.optimizer.state[p]["exp_avg"].clone() for name, p in learner.model.named_parameters()}
+    learner.ensure_classes(4)  # a new class: the head's rows grow, its parameters are new tensors
+    after = {name: learner.optimizer.state.get(p) for name, p in learner.model.named_parameters()}
+    grown = {name for name in after if name.startswith("head.")}
+    assert grown and all(after[name] is None for name in grown)
+    assert all(torch.equal(after[name]["exp_avg"], before[name]) for name in after if name not in grown)
+
+
+def test_an_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match="optimizer"):
+        make_learner("er", num_classes=4, mem_size=16, optimizer="lamb")

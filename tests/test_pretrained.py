@@ -120,6 +120,24 @@ def test_a_learner_on_the_pretrained_backbone_resumes_bit_for_bit(stream):
     assert torch.equal(learner.buffer.images, resumed.buffer.images)
 
 
+def test_a_standardised_top_feeds_its_head_the_trained_features_at_zero_mean_and_unit_variance(stream):
+    # weights held still (lr 0): the running statistics are then exactly those of every batch trained on
+    backbone = PretrainedBackbone(input_size=64, cut=15, standardize=True)
+    learner = make_learner("finetune", 4, backbone=backbone, lr=0.0)
+    for x, y in stream[:5]:
+        learner.observe(x, y)
+    trained = learner.encode(torch.cat([x for x, _ in stream[:5]]))
+    features = learner.extract(trained)
+    plain = make_learner("finetune", 4, backbone=PretrainedBackbone(input_size=64, cut=15), lr=0.0)
+    raw = plain.extract(trained)
+    assert raw.mean(0).abs().max() > 0.1  # the pooled features themselves are far from it
+    assert features.mean(0).abs().max() < 1e-3
+    varied = raw.var(0, unbiased=False) > 1e-3  # a feature (almost) never on keeps the epsilon's share
+    assert (features.var(0, unbiased=False)[varied] - 1).abs().max() < 1e-2
+    with pytest.raises(ValueError, match="pooled cut"):
+        PretrainedBackbone(input_size=64, cut=POOLED, standardize=True)
+
+
 def test_a_state_from_the_other_backbone_is_refused_naming_the_setting(stream):
     scratch = make_learner("cb-sv-duel", 4, mem_size=30)
     with pytest.raises(ValueError, match="backbone"):

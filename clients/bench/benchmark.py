@@ -21,7 +21,7 @@ from learner import METHODS
 from learner.catch_up import MEMORY_SHARE
 from learner.data import CLASSES, PHOTOS, ImageDataset, load_dataset
 from learner.heads.streaming_lda import HEADS
-from learner.methods.base import SERVING_BN
+from learner.methods.base import OPTIMIZERS, SERVING_BN
 from learner.methods.objective import LOSSES, STEPS
 from learner.networks.backbone import BACKBONES, make_backbone
 from learner.networks.lite0 import POOLED
@@ -98,7 +98,7 @@ def with_backbone(args, data: ImageDataset) -> ImageDataset:
     """Build the run's pretrained backbone, time its frozen forward on this thread, and give the
     dataset as its cached latents (`clients.bench.latents`)."""
     args.backbone_object = make_backbone(args.backbone, data.image_shape, args.input_size, args.cut,
-                                         args.latent_bits)
+                                         args.latent_bits, standardize=args.standardize_features)
     args.frozen_forward_cpu_ms = frozen_forward_cpu_ms(args.backbone_object, data.train_x)
     return encoded_dataset(data, args.backbone_object, args.cache_dir)
 
@@ -156,7 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     run.add_argument("--k", type=int, help="K of KNN-SV (default: the paper's for the dataset)")
     run.add_argument("--n-candidates", type=int, help="N_c (default: the paper's for the dataset)")
-    run.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
+    run.add_argument("--lr", type=float, default=0.1, help="the optimizer's learning rate")
+    run.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                     help="the step's form: plain SGD (the paper's) or Adam (each parameter's step scaled by its "
+                          "gradient's running RMS)")
+    run.add_argument("--head-lr", type=float, metavar="LR",
+                     help="the linear head's own learning rate (default: --lr)")
     run.add_argument("--batch-size", type=int, default=10, help="incoming mini-batch size b")
     run.add_argument("--replay-batch", type=int, default=10, help="replay batch size b_M")
     run.add_argument("--tasks", type=int, help="number of tasks (default: 5 for CIFAR-10, 10 otherwise)")
@@ -243,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--train-every", type=int, default=1, metavar="K",
                      help="a gradient step on one incoming batch in K; the others reach the memory and a streaming "
                           "head only (a step that costs more than the device can pay on every batch)")
+    run.add_argument("--standardize-features", action="store_true",
+                     help="with --backbone lite0 and a cut below the pooled one: the top's head reads its pooled "
+                          "features standardised by running statistics (learner.networks.backbone.RunningStandardize)")
     run.add_argument("--latent-bits", type=int, choices=(8, 16), default=16,
                      help="with --backbone lite0: bits a stored latent value (8: the pooled cut only)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

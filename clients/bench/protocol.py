@@ -206,7 +206,9 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         image_shape=data.image_shape, autocast_dtype=torch.bfloat16 if args.bf16 else None,
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age, backbone=getattr(args, "backbone_object", None),
-        train_every=getattr(args, "train_every", 1), **serving_options(args),
+        train_every=getattr(args, "train_every", 1), optimizer=getattr(args, "optimizer", "sgd"),
+        head_lr=getattr(args, "head_lr", None),
+        **serving_options(args),
     )
 
 
@@ -347,6 +349,8 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
             **({"train_every": args.train_every} if getattr(args, "train_every", 1) != 1 else {}),
+            **({"optimizer": args.optimizer} if getattr(args, "optimizer", "sgd") != "sgd" else {}),
+            **({"head_lr": args.head_lr} if getattr(args, "head_lr", None) else {}),
             **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),
             **serving_options(args),
         },

@@ -88,6 +88,8 @@ def run_label(result: dict) -> str:
         modes.append(f"{settings['iterations']} iter")
     if settings.get("train_every", 1) != 1:
         modes.append(f"a step every {settings['train_every']} batches")
+    if settings.get("optimizer", "sgd") != "sgd":
+        modes.append(settings["optimizer"])
     if settings.get("ema"):
         modes.append(f"ema {settings['ema']:g}")
     if settings.get("one_class_batches"):
@@ -100,7 +102,8 @@ def run_label(result: dict) -> str:
         modes.append(f"{settings['train_per_class']}/class")
     if backbone := settings.get("backbone"):  # the pretrained backbone: its input size, cut and latent bits
         modes.append(f"{backbone['backbone']} {backbone['input_size']}px cut {backbone['cut']}"
-                     + (f" {backbone['latent_bits']}-bit" if backbone["latent_bits"] != 16 else ""))
+                     + (f" {backbone['latent_bits']}-bit" if backbone["latent_bits"] != 16 else "")
+                     + (" standardised" if backbone.get("standardize") else ""))
     if settings.get("serving_head"):
         modes.append(f"serve {settings['serving_head']}"
                      + (f" until {settings['trained_head_from']} a class" if settings.get("trained_head_from") else "")

@@ -113,6 +113,9 @@ class RunSpec:
         >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
         ...         ("cut", 11), ("serving_head", "slda"), ("choose_head", True), ("train_every", 5))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut11-serveslda-chosen-every5-m1000-seed0.json'
+        >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
+        ...         ("cut", 11), ("serving_head", "slda"), ("optimizer", "adam"), ("lr", 0.001))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-serveslda-adam-lr0.001-m1000-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -144,6 +147,8 @@ class RunSpec:
             parts.append(f"{extra['backbone']}-{extra.get('input_size', 128)}px-cut{extra.get('cut', POOLED)}")
             if extra.get("latent_bits", 16) != 16:
                 parts.append(f"{extra['latent_bits']}bit")
+            if extra.get("standardize_features"):
+                parts.append("std")
         if "serving_head" in extra:
             parts.append(f"serve{extra['serving_head']}")
         if "trained_head_from" in extra:
@@ -154,6 +159,8 @@ class RunSpec:
             parts.append(f"prior{extra['head_prior']}")
         if extra.get("train_every", 1) != 1:
             parts.append(f"every{extra['train_every']}")
+        if extra.get("optimizer", "sgd") != "sgd":
+            parts.append(extra["optimizer"])
         if "lr" in extra:
             parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:

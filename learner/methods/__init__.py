@@ -1,6 +1,6 @@
 """The methods: one `observe` step per incoming batch, one method a file.
 
-- `base`: the common frame (`ContinualLearner`: a model, plain SGD, growing classes from
+- `base`: the common frame (`ContinualLearner`: a model, its optimizer (plain SGD or Adam), growing classes from
   `classes`, and what it serves); `registry`: every method of the paper as a combination of parts,
   with the paper's hyperparameters (`make_learner`, `METHODS`).
 - `replay`: experience replay with a memory update and a retrieval policy (ER, MIR, GSS, ASER and

@@ -1,4 +1,4 @@
-"""The common frame of every method: a model, plain SGD, and one `observe` step per batch.
+"""The common frame of every method: a model, its optimizer (plain SGD, or Adam), and one `observe` step per batch.
 
 A learner is fed uint8 images [b, 3, H, W] with integer labels, one mini-batch at a time,
 each batch once. Labels beyond the head's width grow the head (a service does not know its
@@ -39,6 +39,8 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 SERVING_BN = ("average", "memory")
 # what a learner counts, kept in its state
 COUNTERS = ("steps", "samples_seen", "samples_skipped", "samples_thinned", "rehearsal_steps", "lean_steps")
+# the step's form: the paper's plain SGD, or Adam (each parameter's step scaled by its gradient's running RMS)
+OPTIMIZERS = ("sgd", "adam")
 
 
 class ContinualLearner(Serving, HeadClasses):
@@ -50,8 +52,14 @@ class ContinualLearner(Serving, HeadClasses):
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
                  trained_head_from: int | None = None, choose_head: bool | str = False, head_prior: str | None = None,
-                 train_every: int = 1):
+                 train_every: int = 1, optimizer: str = "sgd", head_lr: float | None = None):
         self.device = torch.device(device)
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        self.optimizer_name = optimizer
+        # the linear head's own rate (None: `lr`): a head that starts from random rows under a pretrained top
+        # may need more than the top's blocks can take
+        self.head_lr = head_lr
         if train_every < 1:
             raise ValueError(f"train_every must be >= 1, got {train_every}")
         # a gradient step on one incoming batch in `train_every`: the others reach the memory and a streaming head
@@ -283,7 +291,7 @@ class ContinualLearner(Serving, HeadClasses):
         return F.cross_entropy(self.forward_logits(images), labels)
 
     def optimize(self, loss_fn) -> torch.Tensor:
-        """One SGD step on the loss `loss_fn()` computes."""
+        """One optimizer step on the loss `loss_fn()` computes."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_fn()
         loss.backward()
@@ -320,8 +328,22 @@ class ContinualLearner(Serving, HeadClasses):
         with torch.no_grad(), self._autocast():
             return self.averaged_model(self.to_input(images)).float()
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.model.parameters(), lr=self.lr)
+    def _make_optimizer(self, carry_from: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
+        """A new optimizer over the model's parameters; `carry_from`'s state goes on for those it had (a head
+        that grew has new ones: only their moments start afresh)."""
+        params = list(self.model.parameters())
+        head = [p for p in self.model.head.parameters()]
+        groups = [{"params": [p for p in params if all(p is not h for h in head)]},
+                  {"params": head, "lr": self.head_lr or self.lr}]
+        if self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(groups, lr=self.lr)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=self.lr)
+        if carry_from is not None:
+            for p in params:
+                if p in carry_from.state:
+                    optimizer.state[p] = carry_from.state[p]
+        return optimizer
 
     # --- persistence -------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -339,6 +361,9 @@ class ContinualLearner(Serving, HeadClasses):
             # the head as solved last: a resumed learner answers as the one that went on
             **({"solved_head": {"counts": self._solved[0], **asdict(self._solved[1])}} if self._solved else {}),
             **({"head_choice": self.head_choice.state_dict()} if self.head_choice is not None else {}),
+            # plain SGD keeps no state; Adam's moments go on where the learner resumes
+            **({"optimizer": {"kind": self.optimizer_name, "state": self.optimizer.state_dict()}}
+               if self.optimizer_name != "sgd" else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -351,6 +376,9 @@ class ContinualLearner(Serving, HeadClasses):
         self.ensure_classes(state["num_classes"])
         self.model.load_state_dict(state["model"])
         self.optimizer = self._make_optimizer()
+        saved_optimizer = state.get("optimizer")
+        if saved_optimizer and saved_optimizer["kind"] == self.optimizer_name:  # another kind starts afresh
+            self.optimizer.load_state_dict(saved_optimizer["state"])
         self.generator.set_state(state["generator"])
         self.version = state["version"] + 1  # cached features from before the load are stale
         for name in COUNTERS:  # the later ones are absent from states written before them

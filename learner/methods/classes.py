@@ -19,7 +19,7 @@ class HeadClasses:
             self.model.grow(n)
             if self.ema is not None:
                 self.ema.grow(self.model)
-            self.optimizer = self._make_optimizer()
+            self.optimizer = self._make_optimizer(carry_from=self.optimizer)
             self.version += 1
             if self._served_copy is not None:  # the served copy answers the new classes too
                 self.refresh_serving()
