@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.heads.head_choice import compose
+from learner.heads.head_choice import UNFITTED_POOL, serve
 from learner.heads.ncm import ncm_head
 from learner.methods.base import ContinualLearner
 
@@ -50,6 +50,7 @@ class Predictor:
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None
     choice: torch.Tensor | None = None
     choice_summary: dict | None = None
+    pool: tuple[float, float] = UNFITTED_POOL  # the pooled candidate's (weight, temperature)
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
@@ -66,7 +67,8 @@ class Predictor:
                    learner.lean_steps, normalize=ncm is not None, streams=ncm is None and learner.streams,
                    stream_head=None if chosen is None else (chosen[0][:n].clone(), chosen[1][:n].clone()),
                    choice=None if chosen is None else chosen[2][:n].clone(),
-                   choice_summary=None if chosen is None else learner.head_choice.summary())
+                   choice_summary=None if chosen is None else learner.head_choice.summary(),
+                   pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool)
 
     @property
     def head_name(self) -> str:
@@ -98,8 +100,7 @@ class Predictor:
             if self.choice is not None:
                 streaming = torch.softmax(torch.nn.functional.linear(frozen.to(self.head_weight.device).float(),
                                                                      *self.stream_head), 1)
-                candidates = torch.stack([streaming, probabilities, (streaming + probabilities) / 2])
-                probabilities = compose(candidates, self.choice)
+                probabilities = serve(streaming, probabilities, self.choice, self.pool)
             return probabilities.cpu()
 
 

@@ -86,15 +86,16 @@ class Settings(BaseSettings):
         None, description="what predictions and snapshots answer with: the trained softmax head, nearest class mean "
         "on the memory's features, (lite0) streaming LDA on the frozen features, which every sample reaches, or "
         "(lite0) chosen: each class by the head measured best on it (ASER_HEAD_MEASURE), streaming LDA, the trained "
-        "top or their mean (learner.heads.head_choice) (unset: softmax from scratch, slda on lite0)")
+        "top, their mean or their pool (learner.heads.head_choice) (unset: softmax from scratch, slda on lite0)")
     head_measure: Literal["stream", "held-back"] = Field(
         "held-back", description="with ASER_HEAD=chosen: choose each class's head on a few samples of every class "
         "held back from all training (held-back: learner.heads.held_back), which see an old class forgotten, or on "
         "the incoming samples, scored before each step (stream)")
-    head_prior: Literal["slda", "top", "mix", "none"] | None = Field(
+    head_prior: Literal["slda", "top", "mix", "pool", "none"] | None = Field(
         None, description="with ASER_HEAD_MEASURE=held-back: this head takes each class measured on held-back "
-        "samples unless they show it worse (mix: the mean of streaming LDA's and the top's probabilities; none: a "
-        "class moves only to a head measured better; unset: mix, the rule measured best)")
+        "samples unless they show it worse (mix: the mean of streaming LDA's and the top's probabilities; pool: "
+        "their log-linear pool, weighted by likelihood on the held-back samples; none: a class moves only to a head "
+        "measured better; unset: mix, the rule measured best at full length)")
     trained_head_from: int | None = Field(None, ge=1, description="with ASER_HEAD=slda: the trained head serves "
                                           "(and snapshots export it) once every class seen has this many samples, "
                                           "streaming LDA while any is younger (unset: streaming LDA always)")

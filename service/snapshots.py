@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from learner.formats.snapshot import INPUT_NAME, OUTPUT_NAME, metadata_props
-from learner.heads.head_choice import CANDIDATES, compose
+from learner.heads.head_choice import CANDIDATES, UNFITTED_POOL, serve
 from learner.methods.base import ContinualLearner
 from learner.networks.backbone import ScratchBackbone, backbone_of
 
@@ -56,7 +56,8 @@ class PixelsToLogits(nn.Module):
 
     def __init__(self, model: nn.Module, rows: list[int], head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  normalize: bool = False, backbone=None, frozen_features: bool = False,
-                 stream_head: tuple[torch.Tensor, torch.Tensor] | None = None, choice: list[int] | None = None):
+                 stream_head: tuple[torch.Tensor, torch.Tensor] | None = None, choice: list[int] | None = None,
+                 pool: tuple[float, float] = UNFITTED_POOL):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
         weight, bias = head if head is not None else (net.head.weight, net.head.bias)
@@ -69,6 +70,7 @@ class PixelsToLogits(nn.Module):
             self.features = backbone.pixel_module(net, frozen_too=True)
             self.stream_head = _rows(*stream_head, rows)
             self.register_buffer("choice", torch.tensor([choice[r] for r in rows], dtype=torch.long))
+            self.pool = tuple(pool)
         else:
             self.features = backbone.pixel_module(None if frozen_features else net)
         self.normalize = normalize
@@ -78,7 +80,7 @@ class PixelsToLogits(nn.Module):
         if self.chooses:
             top, frozen = self.features(pixels)
             trained, streaming = torch.softmax(self.head(top), 1), torch.softmax(self.stream_head(frozen), 1)
-            served = compose(torch.stack([streaming, trained, (streaming + trained) / 2]), self.choice)
+            served = serve(streaming, trained, self.choice, self.pool)
             return served.clamp_min(1e-30).log()
         features = self.features(pixels)
         return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features)
@@ -130,6 +132,7 @@ class ExportJob:
     frozen_features: bool = False  # the head reads the frozen network's features (a streaming head)
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None  # a measured choice: streaming LDA's head...
     choice: list[int] | None = None  # ... and each class's head (`learner.heads.head_choice.CANDIDATES`)
+    pool: tuple[float, float] = UNFITTED_POOL  # ... and the pooled candidate's (weight, temperature)
     calibration: np.ndarray | None = None  # uint8 recent images: also an int8 variant (`quantise_snapshot`)
     min_agreement: float = 1.0  # ... kept when its top-1 agrees with the fp32 graph on this share of them
 
@@ -141,7 +144,7 @@ def run_export(job: ExportJob) -> dict:
     model = backbone.make_model(job.weights["head.weight"].shape[0], seed=0)
     model.load_state_dict(job.weights)
     export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize, backbone, job.frozen_features,
-                               job.stream_head, job.choice), job.classes, job.path, job.metadata)
+                               job.stream_head, job.choice, job.pool), job.classes, job.path, job.metadata)
     done = {"size": job.path.stat().st_size, "int8": None}
     if job.calibration is not None:
         int8 = int8_path(job.path)
@@ -307,13 +310,15 @@ class SnapshotStore:
         head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
         if chosen is not None:  # which head answers each class, by label, in the metadata too
             meta["head_choice"] = {classes[i]: CANDIDATES[int(chosen[2][i])] for i in rows}
+            meta["head_pool"] = dict(zip(("weight", "temperature"), learner.head_choice.pool))
         job = ExportJob(weights, learner.backbone.identity(), learner.image_shape[1], [classes[i] for i in rows], rows,
                         self.directory / name, meta, head, normalize=head_name == "ncm",
                         frozen_features=head_name == "slda", calibration=calibration,
                         min_agreement=min_agreement,
                         stream_head=None if chosen is None else
                         tuple(t.detach().to("cpu", copy=True) for t in chosen[:2]),
-                        choice=None if chosen is None else chosen[2].tolist())
+                        choice=None if chosen is None else chosen[2].tolist(),
+                        pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool)
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 

@@ -181,7 +181,7 @@ def test_dashboard_says_which_head_answers_each_class(browser, tmp_path):
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#head-choice tbody tr"))
         name = browser.find_element(By.ID, "head-name").text
         assert name.startswith("chosen (prior mix) · served ") and " slda " in name and " top " in name
-        assert name.endswith(" · held back (2): served –, slda –, top –, mix –")  # none measured yet
+        assert name.endswith(" · held back (2): served –, slda –, top –, mix –, pool –")  # none measured yet
         rows = browser.find_elements(By.CSS_SELECTOR, "#head-choice tbody tr")
         assert sorted(r.get_attribute("data-label") for r in rows) == sorted({label for label, _ in samples})
         assert all(r.find_elements(By.TAG_NAME, "td")[1].text == "slda" for r in rows)  # too young: not the prior

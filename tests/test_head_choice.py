@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from learner import make_learner
-from learner.heads.head_choice import CANDIDATES, compose
+from learner.heads.head_choice import CANDIDATES, candidates, compose, fit_pool
 from learner.heads.held_back import HeldBack, paired_search
 from learner.networks.backbone import PretrainedBackbone
 from service.serving import Predictor
@@ -61,9 +61,10 @@ def test_each_class_is_answered_by_its_head_in_the_learner_the_predictor_and_the
     learner = chosen_learner()
     for x, y in batches:
         learner.observe(x, y)
-    learner.head_choice.chosen = {0: "top", 1: "mix"}  # as a stream that measured those better would have
+    learner.head_choice.chosen = {0: "top", 1: "mix", 2: "pool"}  # as a stream that measured those better would have
+    learner.head_choice.pool = (0.8, 2.0)  # as a fit on held-back samples would have set it
     choice = learner.head_choice.choice(learner.num_classes)
-    assert choice.tolist() == [CANDIDATES.index(h) for h in ("top", "mix", "slda", "slda")]
+    assert choice.tolist() == [CANDIDATES.index(h) for h in ("top", "mix", "pool", "slda")]
 
     probabilities = learner.head_probabilities(*learner.encode_incoming(test))
     expected = compose(torch.stack([probabilities[h] for h in CANDIDATES]), choice)
@@ -76,7 +77,7 @@ def test_each_class_is_answered_by_its_head_in_the_learner_the_predictor_and_the
 
     weight, bias, served_choice = learner.served_choice()
     net = PixelsToLogits(learner.serving_model, [0, 1, 2, 3], learner.served_head(), backbone=learner.backbone,
-                         stream_head=(weight, bias), choice=served_choice.tolist())
+                         stream_head=(weight, bias), choice=served_choice.tolist(), pool=learner.head_choice.pool)
     path = tmp_path / "chosen.onnx"
     export_onnx(net, ["a", "b", "c", "d"], path, {"head": "chosen"})
     logits = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})[0]
@@ -130,6 +131,8 @@ def test_held_back_samples_train_no_head_and_the_choice_is_made_on_them(stream):
     # the choice on them reports each candidate's accuracy and the served answer's, as they answer them
     probabilities = learner.head_probabilities(stored, features)
     learner.head_choice.choose_on_held(probabilities, labels)
+    assert learner.head_choice.pool == fit_pool(probabilities["slda"], probabilities["top"], labels)
+    probabilities = candidates(probabilities["slda"], probabilities["top"], learner.head_choice.pool)
     stacked = torch.stack([probabilities[h] for h in CANDIDATES])
     answers = {**probabilities, "served": compose(stacked, learner.head_choice.choice(4))}
     summary = learner.head_choice.summary()
@@ -139,8 +142,29 @@ def test_held_back_samples_train_no_head_and_the_choice_is_made_on_them(stream):
     # a resumed learner holds the same samples and keeps the choice
     twin = held_back_learner()
     twin.load_state_dict(copy.deepcopy(learner.state_dict()))
-    assert twin.head_choice.chosen == learner.head_choice.chosen
+    assert twin.head_choice.chosen == learner.head_choice.chosen and twin.head_choice.pool == learner.head_choice.pool
     assert torch.equal(twin.head_choice.held.stacked()[0], stored) and twin.head_choice.held.seen == held.seen
+
+
+def test_the_pool_leans_on_the_head_whose_probabilities_earn_the_likelihood():
+    labels = torch.tensor([0, 1] * 50)
+    right, wrong = torch.nn.functional.one_hot(labels, 2).float(), torch.nn.functional.one_hot(1 - labels, 2).float()
+
+    def sure(hits):  # overconfident: 0.99 on its answer
+        return hits * 0.98 + 0.01
+
+    def soft(hits):  # 0.7 on its answer
+        return hits * 0.4 + 0.3
+
+    # streaming LDA sure and wrong on a fifth, the top softly right on all: the pool leans on the top
+    slda = sure(torch.cat([wrong[:20], right[20:]]))
+    weight, _ = fit_pool(slda, soft(right), labels)
+    assert weight >= 0.7
+    assert (candidates(slda, soft(right), (weight, 1.0))["pool"].argmax(1) == labels).all()
+    # the top a coin toss: the pool leans on streaming LDA
+    coin = torch.full((100, 2), 0.5) + 0.1 * torch.randn(100, 1, generator=torch.Generator().manual_seed(0)) * \
+        torch.tensor([1.0, -1.0])
+    assert fit_pool(soft(right), coin, labels)[0] <= 0.3
 
 
 def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():

@@ -20,6 +20,7 @@ import torch
 from learner import METHODS
 from learner.catch_up import MEMORY_SHARE
 from learner.data import CLASSES, PHOTOS, ImageDataset, load_dataset
+from learner.heads.head_choice import CANDIDATES
 from learner.heads.streaming_lda import HEADS
 from learner.methods.base import OPTIMIZERS, SERVING_BN
 from learner.methods.objective import LOSSES, STEPS
@@ -242,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "the trained top or their mean: learner.heads.head_choice), on the incoming samples, or "
                           "--choose-head held-back: on samples of every class held back from training "
                           "(learner.heads.held_back); every evaluation scores each too")
-    run.add_argument("--head-prior", choices=("slda", "top", "mix"),
+    run.add_argument("--head-prior", choices=CANDIDATES,
                      help="with --choose-head held-back: this head takes each measured class unless its held-back "
-                          "samples show it worse (mix: the mean of streaming LDA's and the top's probabilities)")
+                          "samples show it worse (mix: the mean of streaming LDA's and the top's probabilities; "
+                          "pool: their log-linear pool, fitted on the held-back samples)")
     run.add_argument("--train-every", type=int, default=1, metavar="K",
                      help="a gradient step on one incoming batch in K; the others reach the memory and a streaming "
                           "head only (a step that costs more than the device can pay on every batch)")

@@ -2,7 +2,8 @@
 
 Every incoming batch is answered by each candidate head before the learner trains on it (test, then
 train: the stream is the test set): streaming LDA on the frozen features ("slda"), the top trained by
-replay from ASER's memory ("top"), and the mean of their probabilities ("mix"). Each candidate's hits
+replay from ASER's memory ("top"), the mean of their probabilities ("mix"), and their log-linear pool ("pool":
+`pooled`, its weight and temperature fitted on held-back samples where the choice holds some). Each candidate's hits
 are kept over the last WINDOW samples of each class. A class is answered by the candidate measured
 best on it, once that candidate leads the one answering by at least MARGIN over at least MIN_SCORED
 of the class's recent samples (hysteresis: a lead inside the noise moves nothing); until then, while
@@ -12,7 +13,8 @@ its head, renormalised (`compose`); where every class has the same head they are
 In a class-incremental stream the incoming samples are the newest classes': a class keeps the choice
 measured while it was last seen. `measure="held-back"` chooses on samples of every class seen that no head
 trained on instead (`learner.heads.held_back`): the learner holds a few back from each class and asks
-`choose_on_held` every MEASURE_EVERY steps; the stream's scores are then only reported. There a `prior` head
+`choose_on_held` every MEASURE_EVERY steps and before it serves (`ContinualLearner.measure_held`), which fits the
+pool first; the stream's scores are then only reported. There a `prior` head
 takes each measured class unless its held samples show it worse (the mean, "mix", was the best answer on every
 stream measured: docs/results/adapting.md).
 
@@ -20,11 +22,11 @@ stream measured: docs/results/adapting.md).
 >>> choice = HeadChoice(window=4, min_scored=2, margin=0.25)
 >>> sure = lambda c: torch.nn.functional.one_hot(torch.tensor(c), 2).float()  # rows of probabilities
 >>> for _ in range(2):  # class 1: the top answers right, streaming LDA wrong
-...     choice.score({"slda": sure([0]), "top": sure([1]), "mix": sure([1])}, torch.tensor([1]))
+...     choice.score(candidates(sure([0]), sure([1])), torch.tensor([1]))
 >>> choice.head_of(0), choice.head_of(1)
 ('slda', 'top')
->>> choice.compose({"slda": torch.tensor([[0.6, 0.4]]), "top": torch.tensor([[0.9, 0.1]]),
-...                 "mix": torch.tensor([[0.75, 0.25]])})  # class 0's from slda, class 1's from the top
+>>> both = candidates(torch.tensor([[0.6, 0.4]]), torch.tensor([[0.9, 0.1]]))
+>>> choice.compose(both)  # class 0's from slda, class 1's from the top
 tensor([[0.8571, 0.1429]])
 """
 
@@ -36,13 +38,52 @@ import torch
 
 from .held_back import HeldBack, paired_search
 
-CANDIDATES = ("slda", "top", "mix")
+CANDIDATES = ("slda", "top", "mix", "pool")
 STREAMING = "slda"  # what answers a class until another head is measured better on it
 WINDOW = 200  # a class's recent samples over which each candidate's hits count
 MIN_SCORED = 50  # of them, how many a head needs before it can take a class
 MARGIN = 0.03  # the lead a challenger needs over the head answering a class
 MEASURES = ("stream", "held-back")
 MEASURE_EVERY = 50  # steps between choices on the held-back samples
+# the pool's weights on the top and temperatures its fit tries; unfitted, the geometric mean
+POOL_WEIGHTS = tuple(round(0.05 * i, 2) for i in range(21))
+POOL_TEMPERATURES = tuple(float(t) for t in torch.logspace(-1.5, 1.0, 26))
+UNFITTED_POOL = (0.5, 1.0)
+
+
+def pooled(slda: torch.Tensor, top: torch.Tensor, weight: float, temperature: float) -> torch.Tensor:
+    """The log-linear pool of two heads' probabilities: softmax(t ((1 - w) log p_slda + w log p_top)). Streaming
+    LDA's Gaussian model answers with more confidence than it has earned, so the mean of the two probabilities
+    leans on it; a weight fitted by likelihood does not. Tensor operations only (the ONNX snapshot exports it)."""
+    logits = (1 - weight) * slda.clamp_min(1e-30).log() + weight * top.clamp_min(1e-30).log()
+    return torch.softmax(temperature * logits, 1)
+
+
+def candidates(slda: torch.Tensor, top: torch.Tensor, pool: tuple[float, float] = UNFITTED_POOL) -> dict:
+    """Every candidate's probabilities [n, classes] from streaming LDA's and the top's; `pool`: the pool's
+    (weight, temperature)."""
+    return {"slda": slda, "top": top, "mix": (slda + top) / 2, "pool": pooled(slda, top, *pool)}
+
+
+def serve(slda: torch.Tensor, top: torch.Tensor, choice: torch.Tensor,
+          pool: tuple[float, float] = UNFITTED_POOL) -> torch.Tensor:
+    """The served probabilities from streaming LDA's and the top's, each class from its head (`choice`, indices
+    into CANDIDATES): what a predictor and the ONNX snapshot compute."""
+    answers = candidates(slda, top, pool)
+    return compose(torch.stack([answers[h] for h in CANDIDATES]), choice)
+
+
+def fit_pool(slda: torch.Tensor, top: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """The pool's (weight, temperature) of least negative log-likelihood on labelled samples, over a grid."""
+    logs = slda.clamp_min(1e-30).log(), top.clamp_min(1e-30).log()
+    best, fitted = float("inf"), UNFITTED_POOL
+    for w in POOL_WEIGHTS:
+        logits = (1 - w) * logs[0] + w * logs[1]
+        for t in POOL_TEMPERATURES:
+            nll = float(torch.nn.functional.cross_entropy(t * logits, labels))
+            if nll < best:
+                best, fitted = nll, (w, t)
+    return fitted
 
 
 class HeadChoice:
@@ -59,6 +100,7 @@ class HeadChoice:
         self.held = HeldBack() if measure == "held-back" else None
         self.measure_every = MEASURE_EVERY
         self.held_accuracy: dict[str, float] = {}  # each candidate's and the served answer's, last measured
+        self.pool = UNFITTED_POOL  # the pool's (weight on the top, temperature), fitted on the held-back samples
 
     def head_of(self, class_id: int) -> str:
         return self.chosen.get(class_id, STREAMING)
@@ -83,7 +125,10 @@ class HeadChoice:
             self.chosen[class_id] = best
 
     def choose_on_held(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
-        """Choose again on the held-back samples: each candidate's probabilities of them, and their labels."""
+        """Fit the pool and choose again on the held-back samples: each candidate's probabilities of them, and
+        their labels."""
+        self.pool = fit_pool(probabilities["slda"], probabilities["top"], labels)
+        probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool)
         stacked = torch.stack([probabilities[h] for h in CANDIDATES])
         preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
         choice = paired_search(stacked, labels, self.choice(stacked.shape[2]), self.held.measured(), compose,
@@ -117,7 +162,8 @@ class HeadChoice:
                      for c in sorted(self.hits["served"])}
         held = {} if self.held is None else {"held_back": {"samples": len(self.held), "accuracy": self.held_accuracy}}
         prior = {} if self.prior is None else {"prior": self.prior}
-        return {"measure": self.measure, **prior, "window_accuracy": overall, **held, "classes": per_class}
+        pool = {"pool": {"weight": self.pool[0], "temperature": round(self.pool[1], 4)}}
+        return {"measure": self.measure, **prior, **pool, "window_accuracy": overall, **held, "classes": per_class}
 
     def forget(self, class_id: int) -> None:
         for by_class in self.hits.values():
@@ -128,13 +174,14 @@ class HeadChoice:
 
     def state_dict(self) -> dict:
         return {"hits": {h: {c: list(d) for c, d in by_class.items()} for h, by_class in self.hits.items()},
-                "chosen": dict(self.chosen),
+                "chosen": dict(self.chosen), "pool": list(self.pool),
                 **({"held": self.held.state_dict(), "held_accuracy": self.held_accuracy} if self.held is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.hits = {h: {int(c): deque(d, maxlen=self.window) for c, d in state["hits"].get(h, {}).items()}
                      for h in (*CANDIDATES, "served")}
         self.chosen = {int(c): h for c, h in state["chosen"].items()}
+        self.pool = tuple(state.get("pool", UNFITTED_POOL))  # a state from before the pool: unfitted
         if self.held is not None and "held" in state:
             self.held.load_state_dict(state["held"])
             self.held_accuracy = dict(state.get("held_accuracy", {}))

@@ -13,6 +13,7 @@ import torch
 
 from ..networks.reduced_resnet import ReducedResNet18, recompute_bn
 from .bias_correction import fit_logit_bias
+from .head_choice import UNFITTED_POOL, candidates
 
 # a streaming head's logits may lie far below zero (LDA's): a class it has not seen sits further still
 UNSEEN_LOGIT = -1e30
@@ -62,6 +63,8 @@ class Serving:
         class's head, which `served_head` (the top's) joins; None otherwise."""
         if self.head_choice is None:
             return None
+        if solve:
+            self.measure_held()
         return (*self.stream_head_rows(solve), self.head_choice.choice(self.num_classes))
 
     def stream_head_rows(self, solve: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +91,12 @@ class Serving:
         slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
         with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
             top = torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
-        return {"slda": slda, "top": top, "mix": (slda + top) / 2}
+        return candidates(slda, top, self.head_choice.pool if self.head_choice is not None else UNFITTED_POOL)
 
     def candidate_probabilities(self, images: torch.Tensor, batch_size: int = 512) -> dict[str, torch.Tensor]:
-        """`head_probabilities` of images (or stored latents), and the served ones under the measured choice."""
+        """`head_probabilities` of images (or stored latents), and the served ones under the measured choice (measured
+        on the held-back samples first, where they are and the weights changed since)."""
+        self.measure_held()
         parts = []
         for i in range(0, images.shape[0], batch_size):
             probabilities = self.head_probabilities(*self.backbone.encode_with_features(images[i:i + batch_size]))

@@ -114,6 +114,7 @@ class ContinualLearner(Serving, HeadClasses):
         measure = "stream" if choose_head is True else choose_head
         self.head_choice = HeadChoice(measure=measure, prior=head_prior) if choose_head else None
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
+        self._held_measured_at: int | None = None  # the weights version the held-back samples were last measured at
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
@@ -187,11 +188,21 @@ class ContinualLearner(Serving, HeadClasses):
         if bool(held.any()):
             self.head_choice.held.keep(images[held], frozen[held], labels[held])
             self.samples_seen += int(held.sum())
-        if self.steps % self.head_choice.measure_every == 0 and self.head_choice.held.measured():
-            stored, features, held_labels = self.head_choice.held.stacked()
-            self.head_choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), held_labels)
+        if self.steps % self.head_choice.measure_every == 0:
+            self.measure_held()
         keep = ~held
         return pixels[keep], images[keep], frozen[keep], labels[keep]
+
+    def measure_held(self) -> None:
+        """Under a choice on held-back samples: fit the pool and choose each class's head on all of them, with the
+        weights as they are now (once a weights version; the step does it every `measure_every` steps, and what
+        serves does it before it answers: the top moves within a task, and the fit follows it)."""
+        choice = self.head_choice
+        if choice is None or choice.held is None or not choice.held.measured() or self._held_measured_at == self.version:
+            return
+        stored, features, labels = choice.held.stacked()
+        choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), labels)
+        self._held_measured_at = self.version
 
     def warm_up(self) -> None:
         """Build what the first step would (the frozen part's onnxruntime session: its trace passes through
@@ -332,7 +343,7 @@ class ContinualLearner(Serving, HeadClasses):
         """A new optimizer over the model's parameters; `carry_from`'s state goes on for those it had (a head
         that grew has new ones: only their moments start afresh)."""
         params = list(self.model.parameters())
-        head = [p for p in self.model.head.parameters()]
+        head = list(self.model.head.parameters())
         groups = [{"params": [p for p in params if all(p is not h for h in head)]},
                   {"params": head, "lr": self.head_lr or self.lr}]
         if self.optimizer_name == "adam":

@@ -95,10 +95,10 @@ class ScaledPixelFeatures(nn.Module):
 
 class RunningStandardize(nn.Module):
     """(f - mean) / std, each feature by statistics of every batch the top trained on: cumulative until they
-    have seen 1 / MOMENTUM samples, then moving. Lite0's pooled features follow ReLU6: their mean holds over a
-    quarter of their energy and their scales span 40x, so plain SGD on a linear head above them is
-    ill-conditioned (on Split EuroSAT the head diverges at lr 0.03 and learns slowly at 0.01). The statistics
-    move in train mode only, without gradients; an evaluation reads them.
+    have seen 1 / MOMENTUM samples, then moving. Lite0's pooled features follow ReLU6 (a large common mean, scales
+    far apart), which makes plain SGD on a linear head above them ill-conditioned; standardised, they did not lift
+    the cut-11 top on Split EuroSAT (docs/results/adapting.md), so it is an option. The statistics move in train
+    mode only, without gradients; an evaluation reads them.
 
     >>> f = torch.tensor([[1.0, 10.0], [3.0, 30.0]])
     >>> standardize = RunningStandardize(2).train()

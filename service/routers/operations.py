@@ -101,10 +101,11 @@ class Status(BaseModel):
                               "in head_choice); with ASER_TRAINED_HEAD_FROM it changes as classes grow")
     head_choice: dict | None = Field(None, description="with ASER_HEAD=chosen: each candidate head's share of right "
                                      "answers over the classes' recent samples, scored before each step "
-                                     "(window_accuracy: slda, top, mix and the served answer), and per class the "
+                                     "(window_accuracy: slda, top, mix, pool and the served answer), and per class the "
                                      "head answering it and each candidate's share (null below its minimum count); "
                                      "measured on held-back samples (measure: held-back), their accuracies "
-                                     "(held_back) and the prior, where one is set")
+                                     "(held_back) and the prior, where one is set; pool: the pooled candidate's "
+                                     "weight on the top and temperature")
     last_step_ms: float
     method: str
     config: dict[str, bool | int | float | str]
@@ -138,7 +139,7 @@ def status(rt: Runtime) -> dict:
         "serving_head": p.head_name,
         "head_choice": None if p.choice_summary is None else {
             "measure": p.choice_summary["measure"], "window_accuracy": p.choice_summary["window_accuracy"],
-            **{k: p.choice_summary[k] for k in ("prior", "held_back") if k in p.choice_summary},
+            **{k: p.choice_summary[k] for k in ("prior", "pool", "held_back") if k in p.choice_summary},
             "classes": {classes[c]: v for c, v in p.choice_summary["classes"].items()
                         if c < len(classes) and classes[c] is not None}},
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),

@@ -164,7 +164,7 @@ function servingHead(st) {
   // prior (ASER_HEAD_PRIOR) that takes a measured class unless its held samples show it worse
   const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
   const choice = st.head_choice;
-  const shares = (acc) => ["served", "slda", "top", "mix"].map((h) => `${h} ${pct(acc[h])}`).join(", ");
+  const shares = (acc) => ["served", "slda", "top", "mix", "pool"].map((h) => `${h} ${pct(acc[h])}`).join(", ");
   const overall = choice ? " · " + shares(choice.window_accuracy) : "";
   const held = choice && choice.held_back ? ` · held back (${choice.held_back.samples}): ` +
     shares(choice.held_back.accuracy) : "";
@@ -173,7 +173,7 @@ function servingHead(st) {
   $("head-choice").hidden = !choice;
   $("head-choice").querySelector("tbody").innerHTML = !choice ? "" : Object.entries(choice.classes).map(([label, c]) =>
     `<tr data-label="${esc(label)}"><td>${esc(label)}</td><td>${c.head}</td><td>${pct(c.slda)}</td>` +
-    `<td>${pct(c.top)}</td><td>${pct(c.mix)}</td></tr>`).join("");
+    `<td>${pct(c.top)}</td><td>${pct(c.mix)}</td><td>${pct(c.pool)}</td></tr>`).join("");
 }
 
 async function imageURL(path) {
