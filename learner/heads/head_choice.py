@@ -13,8 +13,8 @@ its head, renormalised (`compose`); where every class has the same head they are
 In a class-incremental stream the incoming samples are the newest classes': a class keeps the choice
 measured while it was last seen. `measure="held-back"` chooses on samples of every class seen that no head
 trained on instead (`learner.heads.held_back`): the learner holds a few back from each class and asks
-`choose_on_held` every MEASURE_EVERY steps and before it serves (`ContinualLearner.measure_held`), which fits the
-pool first; the stream's scores are then only reported. There a `prior` head
+`choose_on_held` every MEASURE_EVERY steps and before an evaluation in process (`ContinualLearner.measure_held`),
+which fits the pool first; the stream's scores are then only reported. There a `prior` head
 takes each measured class unless its held samples show it worse (the mean, "mix", was the best answer on every
 stream measured: docs/results/adapting.md).
 

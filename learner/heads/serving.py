@@ -63,8 +63,6 @@ class Serving:
         class's head, which `served_head` (the top's) joins; None otherwise."""
         if self.head_choice is None:
             return None
-        if solve:
-            self.measure_held()
         return (*self.stream_head_rows(solve), self.head_choice.choice(self.num_classes))
 
     def stream_head_rows(self, solve: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +93,8 @@ class Serving:
 
     def candidate_probabilities(self, images: torch.Tensor, batch_size: int = 512) -> dict[str, torch.Tensor]:
         """`head_probabilities` of images (or stored latents), and the served ones under the measured choice (measured
-        on the held-back samples first, where they are and the weights changed since)."""
+        on the held-back samples first, where they are and the weights changed since: an evaluation in process; a
+        service, which publishes after every step, keeps the choice made every `measure_every` steps)."""
         self.measure_held()
         parts = []
         for i in range(0, images.shape[0], batch_size):

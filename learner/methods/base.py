@@ -195,8 +195,8 @@ class ContinualLearner(Serving, HeadClasses):
 
     def measure_held(self) -> None:
         """Under a choice on held-back samples: fit the pool and choose each class's head on all of them, with the
-        weights as they are now (once a weights version; the step does it every `measure_every` steps, and what
-        serves does it before it answers: the top moves within a task, and the fit follows it)."""
+        weights as they are now (once a weights version): the step does it every `measure_every` steps, an evaluation
+        in process (`candidate_probabilities`) before it answers, since the top moves within a task."""
         choice = self.head_choice
         if choice is None or choice.held is None or not choice.held.measured() or self._held_measured_at == self.version:
             return
