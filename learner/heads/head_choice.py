@@ -65,12 +65,16 @@ def candidates(slda: torch.Tensor, top: torch.Tensor, pool: tuple[float, float] 
     return {"slda": slda, "top": top, "mix": (slda + top) / 2, "pool": pooled(slda, top, *pool)}
 
 
+def stack(answers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The candidates' probabilities in CANDIDATES order: [heads, n, classes], as `compose` takes them."""
+    return torch.stack([answers[h] for h in CANDIDATES])
+
+
 def serve(slda: torch.Tensor, top: torch.Tensor, choice: torch.Tensor,
           pool: tuple[float, float] = UNFITTED_POOL) -> torch.Tensor:
     """The served probabilities from streaming LDA's and the top's, each class from its head (`choice`, indices
     into CANDIDATES): what a predictor and the ONNX snapshot compute."""
-    answers = candidates(slda, top, pool)
-    return compose(torch.stack([answers[h] for h in CANDIDATES]), choice)
+    return compose(stack(candidates(slda, top, pool)), choice)
 
 
 def fit_pool(slda: torch.Tensor, top: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
@@ -129,7 +133,7 @@ class HeadChoice:
         their labels."""
         self.pool = fit_pool(probabilities["slda"], probabilities["top"], labels)
         probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool)
-        stacked = torch.stack([probabilities[h] for h in CANDIDATES])
+        stacked = stack(probabilities)
         preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
         choice = paired_search(stacked, labels, self.choice(stacked.shape[2]), self.held.measured(), compose,
                                preferred)
@@ -149,7 +153,7 @@ class HeadChoice:
     def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities: each class's from its head, renormalised."""
         classes = probabilities[STREAMING].shape[1]
-        return compose(torch.stack([probabilities[h] for h in CANDIDATES]), self.choice(classes))
+        return compose(stack(probabilities), self.choice(classes))
 
     def summary(self) -> dict:
         """Each head's share of right answers over the classes' recent samples, overall and per class, and

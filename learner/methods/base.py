@@ -344,8 +344,8 @@ class ContinualLearner(Serving, HeadClasses):
         that grew has new ones: only their moments start afresh)."""
         params = list(self.model.parameters())
         head = list(self.model.head.parameters())
-        groups = [{"params": [p for p in params if all(p is not h for h in head)]},
-                  {"params": head, "lr": self.head_lr or self.lr}]
+        in_head = {id(p) for p in head}
+        groups = [{"params": [p for p in params if id(p) not in in_head]}, {"params": head, "lr": self.head_lr or self.lr}]
         if self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(groups, lr=self.lr)
         else:
