@@ -50,7 +50,7 @@ class Predictor:
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None
     choice: torch.Tensor | None = None
     choice_summary: dict | None = None
-    pool: tuple[float, float] = UNFITTED_POOL  # the pooled candidate's (weight, temperature)
+    pool: tuple = UNFITTED_POOL  # the pooled candidate's (weight a class, temperature): `HeadChoice.pool_of`
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
@@ -61,6 +61,7 @@ class Predictor:
         # classes ingested but not yet trained on have no head row yet; they are not answered
         n = min(len(classes), weight.shape[0])
         chosen = learner.served_choice(solve) if ncm is None else None
+        pool = UNFITTED_POOL if chosen is None else learner.head_choice.pool_of(learner.num_classes)
         return cls(learner.encode_incoming, learner.encoded_features(), weight.detach()[:n].clone(),
                    bias.detach()[:n].clone(), tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen,
                    trained_upto, learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps,
@@ -68,7 +69,7 @@ class Predictor:
                    stream_head=None if chosen is None else (chosen[0][:n].clone(), chosen[1][:n].clone()),
                    choice=None if chosen is None else chosen[2][:n].clone(),
                    choice_summary=None if chosen is None else learner.head_choice.summary(),
-                   pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool)
+                   pool=(pool[0][:n].clone(), pool[1]) if chosen is not None else pool)
 
     @property
     def head_name(self) -> str:

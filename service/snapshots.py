@@ -57,7 +57,7 @@ class PixelsToLogits(nn.Module):
     def __init__(self, model: nn.Module, rows: list[int], head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  normalize: bool = False, backbone=None, frozen_features: bool = False,
                  stream_head: tuple[torch.Tensor, torch.Tensor] | None = None, choice: list[int] | None = None,
-                 pool: tuple[float, float] = UNFITTED_POOL):
+                 pool: tuple = UNFITTED_POOL):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
         weight, bias = head if head is not None else (net.head.weight, net.head.bias)
@@ -70,7 +70,9 @@ class PixelsToLogits(nn.Module):
             self.features = backbone.pixel_module(net, frozen_too=True)
             self.stream_head = _rows(*stream_head, rows)
             self.register_buffer("choice", torch.tensor([choice[r] for r in rows], dtype=torch.long))
-            self.pool = tuple(pool)
+            weights = torch.as_tensor(pool[0], dtype=torch.float32).broadcast_to((len(choice),))
+            self.register_buffer("pool_weight", weights[rows].clone())  # `HeadChoice.pool_of`
+            self.pool_temperature = float(pool[1])
         else:
             self.features = backbone.pixel_module(None if frozen_features else net)
         self.normalize = normalize
@@ -80,7 +82,7 @@ class PixelsToLogits(nn.Module):
         if self.chooses:
             top, frozen = self.features(pixels)
             trained, streaming = torch.softmax(self.head(top), 1), torch.softmax(self.stream_head(frozen), 1)
-            served = serve(streaming, trained, self.choice, self.pool)
+            served = serve(streaming, trained, self.choice, (self.pool_weight, self.pool_temperature))
             return served.clamp_min(1e-30).log()
         features = self.features(pixels)
         return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features)
@@ -132,7 +134,7 @@ class ExportJob:
     frozen_features: bool = False  # the head reads the frozen network's features (a streaming head)
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None  # a measured choice: streaming LDA's head...
     choice: list[int] | None = None  # ... and each class's head (`learner.heads.head_choice.CANDIDATES`)
-    pool: tuple[float, float] = UNFITTED_POOL  # ... and the pooled candidate's (weight, temperature)
+    pool: tuple = UNFITTED_POOL  # ... and the pooled candidate's (weight a class, temperature)
     calibration: np.ndarray | None = None  # uint8 recent images: also an int8 variant (`quantise_snapshot`)
     min_agreement: float = 1.0  # ... kept when its top-1 agrees with the fp32 graph on this share of them
 
@@ -310,7 +312,10 @@ class SnapshotStore:
         head = None if head is None else tuple(t.detach().to("cpu", copy=True) for t in head)
         if chosen is not None:  # which head answers each class, by label, in the metadata too
             meta["head_choice"] = {classes[i]: CANDIDATES[int(chosen[2][i])] for i in rows}
-            meta["head_pool"] = dict(zip(("weight", "temperature"), learner.head_choice.pool))
+            measured = learner.head_choice
+            weighed = rows if measured.pool_classes is None else [i for i in measured.pool_classes if i in rows]
+            meta["head_pool"] = {**dict(zip(("weight", "temperature"), measured.pool)),
+                                 "classes": [classes[i] for i in weighed]}
         job = ExportJob(weights, learner.backbone.identity(), learner.image_shape[1], [classes[i] for i in rows], rows,
                         self.directory / name, meta, head, normalize=head_name == "ncm",
                         frozen_features=head_name == "slda", calibration=calibration,
@@ -318,7 +323,7 @@ class SnapshotStore:
                         stream_head=None if chosen is None else
                         tuple(t.detach().to("cpu", copy=True) for t in chosen[:2]),
                         choice=None if chosen is None else chosen[2].tolist(),
-                        pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool)
+                        pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool_of(learner.num_classes))
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from learner import make_learner
-from learner.heads.head_choice import CANDIDATES, candidates, compose, fit_pool
+from learner.heads.head_choice import CANDIDATES, HeadChoice, candidates, compose, fit_pool, pooled
 from learner.heads.held_back import HeldBack, paired_search
 from learner.networks.backbone import PretrainedBackbone
 from service.serving import Predictor
@@ -62,7 +62,8 @@ def test_each_class_is_answered_by_its_head_in_the_learner_the_predictor_and_the
     for x, y in batches:
         learner.observe(x, y)
     learner.head_choice.chosen = {0: "top", 1: "mix", 2: "pool"}  # as a stream that measured those better would have
-    learner.head_choice.pool = (0.8, 2.0)  # as a fit on held-back samples would have set it
+    learner.head_choice.pool = (0.8, 2.0)  # as a fit on held-back samples would have set it ...
+    learner.head_choice.pool_classes = [2, 3]  # ... weighing the top on the classes measured then
     choice = learner.head_choice.choice(learner.num_classes)
     assert choice.tolist() == [CANDIDATES.index(h) for h in ("top", "mix", "pool", "slda")]
 
@@ -77,7 +78,8 @@ def test_each_class_is_answered_by_its_head_in_the_learner_the_predictor_and_the
 
     weight, bias, served_choice = learner.served_choice()
     net = PixelsToLogits(learner.serving_model, [0, 1, 2, 3], learner.served_head(), backbone=learner.backbone,
-                         stream_head=(weight, bias), choice=served_choice.tolist(), pool=learner.head_choice.pool)
+                         stream_head=(weight, bias), choice=served_choice.tolist(),
+                         pool=learner.head_choice.pool_of(learner.num_classes))
     path = tmp_path / "chosen.onnx"
     export_onnx(net, ["a", "b", "c", "d"], path, {"head": "chosen"})
     logits = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})[0]
@@ -132,7 +134,8 @@ def test_held_back_samples_train_no_head_and_the_choice_is_made_on_them(stream):
     probabilities = learner.head_probabilities(stored, features)
     learner.head_choice.choose_on_held(probabilities, labels)
     assert learner.head_choice.pool == fit_pool(probabilities["slda"], probabilities["top"], labels)
-    probabilities = candidates(probabilities["slda"], probabilities["top"], learner.head_choice.pool)
+    assert learner.head_choice.pool_classes == [0, 1, 2, 3]  # every class measured: the weight on each
+    probabilities = candidates(probabilities["slda"], probabilities["top"], learner.head_choice.pool_of(4))
     stacked = torch.stack([probabilities[h] for h in CANDIDATES])
     answers = {**probabilities, "served": compose(stacked, learner.head_choice.choice(4))}
     summary = learner.head_choice.summary()
@@ -165,6 +168,28 @@ def test_the_pool_leans_on_the_head_whose_probabilities_earn_the_likelihood():
     coin = torch.full((100, 2), 0.5) + 0.1 * torch.randn(100, 1, generator=torch.Generator().manual_seed(0)) * \
         torch.tensor([1.0, -1.0])
     assert fit_pool(soft(right), coin, labels)[0] <= 0.3
+
+
+def test_the_pool_weighs_the_top_only_on_measured_classes_so_a_young_one_keeps_streaming_ldas_answer():
+    choice = HeadChoice(measure="held-back", prior="pool")
+    choice.held = HeldBack(hold_from=1, every=1, per_class=20, min_held=10)
+    labels = torch.tensor([0] * 10 + [1] * 10 + [2] * 3)  # class 2 young: 3 held samples, below the 10 to measure
+    choice.held.samples = {c: [(torch.zeros(1), torch.zeros(1))] * int((labels == c).sum()) for c in range(3)}
+    one_hot = torch.nn.functional.one_hot(labels, 3).float()
+    slda = one_hot * 0.5 + 0.5 / 3  # softly right, but wrong on a fifth of the measured classes' samples
+    slda[[0, 1, 10, 11]] = slda[[10, 11, 0, 1]]
+    top = torch.cat([one_hot[:20] * 0.9 + 0.05, torch.full((3, 3), 1 / 3)])  # surely right; class 2 unlearned
+    choice.choose_on_held({"slda": slda, "top": top}, labels)
+    assert choice.pool_classes == [0, 1] and choice.pool[0] > 0.5  # the top earns the likelihood where measured
+    weights, temperature = choice.pool_of(3)
+    assert torch.equal(weights, torch.tensor([choice.pool[0]] * 2 + [0.0])) and choice.head_of(2) == "pool"
+    # a sample of class 2, streaming LDA right, the top never trained on it: weighed on every class the pool
+    # follows the top's veto; weighed on the measured ones, streaming LDA's answer stands
+    slda, top = torch.tensor([[0.1, 0.1, 0.8]]), torch.tensor([[0.5, 0.5 - 1e-6, 1e-6]])
+    assert candidates(slda, top, choice.pool)["pool"].argmax(1).item() == 0
+    assert choice.compose(candidates(slda, top, (weights, temperature))).argmax(1).item() == 2
+    pool, w = pooled(slda, top, weights, temperature)[0], weights[0]  # class 2's term: streaming LDA's alone
+    assert torch.isclose(pool[2] / pool[0], (0.8 / (0.1 ** (1 - w) * 0.5 ** w)) ** temperature, rtol=1e-4)
 
 
 def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():

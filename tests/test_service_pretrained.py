@@ -248,7 +248,8 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     # no class has sent its 20th sample since the restart: nothing held back yet
     assert measured["measure"] == "held-back" and measured["prior"] == "mix"
     assert measured["held_back"] == {"samples": 0, "accuracy": {}}
-    assert measured["pool"] == {"weight": 0.5, "temperature": 1.0}  # nothing held back to fit it on yet
+    # nothing held back to fit it on yet: its weight on the top applies to no class
+    assert measured["pool"] == {"weight": 0.5, "temperature": 1.0, "classes": []}
     assert set(measured["window_accuracy"]) == {"slda", "top", "mix", "pool", "served"}
     assert 0 <= measured["window_accuracy"]["slda"] <= 1 and {"cat", "coffee"} <= set(measured["classes"])
     # too few samples to measure a class yet: streaming LDA answers every one
@@ -259,7 +260,7 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     clf = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{r.json()['id']}").content)
     assert clf.metadata["head"] == "chosen"
     assert json.loads(clf.metadata["head_choice"]) == {label: "slda" for label in clf.labels}
-    assert json.loads(clf.metadata["head_pool"]) == {"weight": 0.5, "temperature": 1.0}
+    assert json.loads(clf.metadata["head_pool"]) == {"weight": 0.5, "temperature": 1.0, "classes": []}
     _, images = held_out(photos)
     ours = predict(server, images, k=1)["results"]
     theirs = clf.predict([io.BytesIO(i) for i in images], k=1)

@@ -18,6 +18,12 @@ which fits the pool first; the stream's scores are then only reported. There a `
 takes each measured class unless its held samples show it worse (the mean, "mix", was the best answer on every
 stream measured: docs/results/adapting.md).
 
+The pool weighs the top only on the classes it was fitted on (`pool_of`): a class not yet measured on held samples
+has streaming LDA's log-probability as its term, at the pool's temperature. A log-linear pool lets a head that has
+not learned a class veto it, and the top has not learned a young one; serving a young class by streaming LDA's own
+column beside pooled ones (renormalised by `compose`) instead weighs two softmaxes of different temperatures.
+Under the pool as prior, a class not yet measured is answered by the pool, so its answer stays streaming LDA's.
+
 >>> import torch
 >>> choice = HeadChoice(window=4, min_scored=2, margin=0.25)
 >>> sure = lambda c: torch.nn.functional.one_hot(torch.tensor(c), 2).float()  # rows of probabilities
@@ -51,17 +57,18 @@ POOL_TEMPERATURES = tuple(float(t) for t in torch.logspace(-1.5, 1.0, 26))
 UNFITTED_POOL = (0.5, 1.0)
 
 
-def pooled(slda: torch.Tensor, top: torch.Tensor, weight: float, temperature: float) -> torch.Tensor:
-    """The log-linear pool of two heads' probabilities: softmax(t ((1 - w) log p_slda + w log p_top)). Streaming
-    LDA's Gaussian model answers with more confidence than it has earned, so the mean of the two probabilities
-    leans on it; a weight fitted by likelihood does not. Tensor operations only (the ONNX snapshot exports it)."""
+def pooled(slda: torch.Tensor, top: torch.Tensor, weight: float | torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-linear pool of two heads' probabilities: softmax(t ((1 - w) log p_slda + w log p_top)), `weight` one
+    for every class or one a class. Streaming LDA's Gaussian model answers with more confidence than it has earned,
+    so the mean of the two probabilities leans on it; a weight fitted by likelihood does not. Tensor operations
+    only (the ONNX snapshot exports it)."""
     logits = (1 - weight) * slda.clamp_min(1e-30).log() + weight * top.clamp_min(1e-30).log()
     return torch.softmax(temperature * logits, 1)
 
 
 def candidates(slda: torch.Tensor, top: torch.Tensor, pool: tuple[float, float] = UNFITTED_POOL) -> dict:
     """Every candidate's probabilities [n, classes] from streaming LDA's and the top's; `pool`: the pool's
-    (weight, temperature)."""
+    (weight, temperature), the weight one for every class or one a class (`HeadChoice.pool_of`)."""
     return {"slda": slda, "top": top, "mix": (slda + top) / 2, "pool": pooled(slda, top, *pool)}
 
 
@@ -77,12 +84,15 @@ def serve(slda: torch.Tensor, top: torch.Tensor, choice: torch.Tensor,
     return compose(stack(candidates(slda, top, pool)), choice)
 
 
-def fit_pool(slda: torch.Tensor, top: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    """The pool's (weight, temperature) of least negative log-likelihood on labelled samples, over a grid."""
+def fit_pool(slda: torch.Tensor, top: torch.Tensor, labels: torch.Tensor,
+             weighed: torch.Tensor | None = None) -> tuple[float, float]:
+    """The pool's (weight, temperature) of least negative log-likelihood on labelled samples, over a grid;
+    `weighed`: the classes the weight applies to (a mask; the others' term is streaming LDA's), else every one."""
     logs = slda.clamp_min(1e-30).log(), top.clamp_min(1e-30).log()
+    weighed = torch.ones(slda.shape[1]) if weighed is None else weighed.float()
     best, fitted = float("inf"), UNFITTED_POOL
     for w in POOL_WEIGHTS:
-        logits = (1 - w) * logs[0] + w * logs[1]
+        logits = logs[0] + w * weighed * (logs[1] - logs[0])
         for t in POOL_TEMPERATURES:
             nll = float(torch.nn.functional.cross_entropy(t * logits, labels))
             if nll < best:
@@ -105,9 +115,20 @@ class HeadChoice:
         self.measure_every = MEASURE_EVERY
         self.held_accuracy: dict[str, float] = {}  # each candidate's and the served answer's, last measured
         self.pool = UNFITTED_POOL  # the pool's (weight on the top, temperature), fitted on the held-back samples
+        # the classes the pool's weight applies to: those measured when it was fitted (None: every class)
+        self.pool_classes: list[int] | None = [] if self.held is not None else None
+        # what answers a class no choice has moved: the pool as prior answers a young one as streaming LDA would
+        self.unmoved = "pool" if prior == "pool" else STREAMING
 
     def head_of(self, class_id: int) -> str:
-        return self.chosen.get(class_id, STREAMING)
+        return self.chosen.get(class_id, self.unmoved)
+
+    def pool_of(self, num_classes: int) -> tuple[torch.Tensor, float]:
+        """The pool's weight on the top for each class (0 on one it was not fitted on), and its temperature."""
+        weights = torch.full((num_classes,), float(self.pool[0]))
+        if self.pool_classes is not None:
+            weights *= torch.isin(torch.arange(num_classes), torch.tensor(self.pool_classes, dtype=torch.long))
+        return weights, self.pool[1]
 
     def score(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """Count one batch answered before its step: each candidate's probabilities [n, classes] of
@@ -131,13 +152,14 @@ class HeadChoice:
     def choose_on_held(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """Fit the pool and choose again on the held-back samples: each candidate's probabilities of them, and
         their labels."""
-        self.pool = fit_pool(probabilities["slda"], probabilities["top"], labels)
-        probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool)
+        classes, measured = probabilities["slda"].shape[1], self.held.measured()
+        weighed = torch.isin(torch.arange(classes), torch.tensor(measured, dtype=torch.long))
+        self.pool, self.pool_classes = fit_pool(probabilities["slda"], probabilities["top"], labels, weighed), measured
+        probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool_of(classes))
         stacked = stack(probabilities)
         preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
-        choice = paired_search(stacked, labels, self.choice(stacked.shape[2]), self.held.measured(), compose,
-                               preferred)
-        self.chosen = {c: CANDIDATES[int(h)] for c, h in enumerate(choice) if CANDIDATES[int(h)] != STREAMING}
+        choice = paired_search(stacked, labels, self.choice(classes), measured, compose, preferred)
+        self.chosen = {c: CANDIDATES[int(h)] for c, h in enumerate(choice) if CANDIDATES[int(h)] != self.unmoved}
         answers = {**{h: stacked[i] for i, h in enumerate(CANDIDATES)}, "served": compose(stacked, choice)}
         self.held_accuracy = {h: round(float((p.argmax(1) == labels).float().mean()), 4) for h, p in answers.items()}
 
@@ -166,7 +188,8 @@ class HeadChoice:
                      for c in sorted(self.hits["served"])}
         held = {} if self.held is None else {"held_back": {"samples": len(self.held), "accuracy": self.held_accuracy}}
         prior = {} if self.prior is None else {"prior": self.prior}
-        pool = {"pool": {"weight": self.pool[0], "temperature": round(self.pool[1], 4)}}
+        weighed = {} if self.pool_classes is None else {"classes": list(self.pool_classes)}
+        pool = {"pool": {"weight": self.pool[0], "temperature": round(self.pool[1], 4), **weighed}}
         return {"measure": self.measure, **prior, **pool, "window_accuracy": overall, **held, "classes": per_class}
 
     def forget(self, class_id: int) -> None:
@@ -178,7 +201,7 @@ class HeadChoice:
 
     def state_dict(self) -> dict:
         return {"hits": {h: {c: list(d) for c, d in by_class.items()} for h, by_class in self.hits.items()},
-                "chosen": dict(self.chosen), "pool": list(self.pool),
+                "chosen": dict(self.chosen), "pool": list(self.pool), "pool_classes": self.pool_classes,
                 **({"held": self.held.state_dict(), "held_accuracy": self.held_accuracy} if self.held is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -189,6 +212,8 @@ class HeadChoice:
         if self.held is not None and "held" in state:
             self.held.load_state_dict(state["held"])
             self.held_accuracy = dict(state.get("held_accuracy", {}))
+        # a state from before the pool weighed by class: it weighed every class measured
+        self.pool_classes = state.get("pool_classes", None if self.held is None else self.held.measured())
 
 
 def compose(stacked: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:

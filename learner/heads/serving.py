@@ -89,7 +89,8 @@ class Serving:
         slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
         with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
             top = torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
-        return candidates(slda, top, self.head_choice.pool if self.head_choice is not None else UNFITTED_POOL)
+        return candidates(slda, top, self.head_choice.pool_of(self.num_classes) if self.head_choice is not None
+                          else UNFITTED_POOL)
 
     def candidate_probabilities(self, images: torch.Tensor, batch_size: int = 512) -> dict[str, torch.Tensor]:
         """`head_probabilities` of images (or stored latents), and the served ones under the measured choice (measured

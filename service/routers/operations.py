@@ -105,7 +105,8 @@ class Status(BaseModel):
                                      "head answering it and each candidate's share (null below its minimum count); "
                                      "measured on held-back samples (measure: held-back), their accuracies "
                                      "(held_back) and the prior, where one is set; pool: the pooled candidate's "
-                                     "weight on the top and temperature")
+                                     "weight on the top, its temperature and the classes the weight applies to "
+                                     "(those measured when it was fitted; the others' term is streaming LDA's)")
     last_step_ms: float
     method: str
     config: dict[str, bool | int | float | str]
@@ -115,6 +116,18 @@ class Status(BaseModel):
     lag: Lag
     storage: Storage
     uptime_s: float
+
+
+def labelled_choice(summary: dict, classes: list[str | None]) -> dict:
+    """`HeadChoice.summary` by class label (a forgotten class left out)."""
+    def known(c: int) -> bool:
+        return c < len(classes) and classes[c] is not None
+    pool = summary["pool"]
+    if "classes" in pool:
+        pool = {**pool, "classes": [classes[c] for c in pool["classes"] if known(c)]}
+    return {"measure": summary["measure"], "window_accuracy": summary["window_accuracy"],
+            **{k: summary[k] for k in ("prior", "held_back") if k in summary}, "pool": pool,
+            "classes": {classes[c]: v for c, v in summary["classes"].items() if known(c)}}
 
 
 def status(rt: Runtime) -> dict:
@@ -137,11 +150,7 @@ def status(rt: Runtime) -> dict:
         "steps": p.steps,
         "serving_current": published.current,
         "serving_head": p.head_name,
-        "head_choice": None if p.choice_summary is None else {
-            "measure": p.choice_summary["measure"], "window_accuracy": p.choice_summary["window_accuracy"],
-            **{k: p.choice_summary[k] for k in ("prior", "pool", "held_back") if k in p.choice_summary},
-            "classes": {classes[c]: v for c, v in p.choice_summary["classes"].items()
-                        if c < len(classes) and classes[c] is not None}},
+        "head_choice": None if p.choice_summary is None else labelled_choice(p.choice_summary, classes),
         "last_step_ms": round(1000 * worker.last_step_seconds, 2),
         "method": worker.lineage.method,
         "config": {**worker.spec.config(), "batch_size": rt.settings.batch_size},
