@@ -190,6 +190,8 @@ def test_the_pool_weighs_the_top_only_on_measured_classes_so_a_young_one_keeps_s
     assert choice.compose(candidates(slda, top, (weights, temperature))).argmax(1).item() == 2
     pool, w = pooled(slda, top, weights, temperature)[0], weights[0]  # class 2's term: streaming LDA's alone
     assert torch.isclose(pool[2] / pool[0], (0.8 / (0.1 ** (1 - w) * 0.5 ** w)) ** temperature, rtol=1e-4)
+    choice.forget(0)  # a forgotten class is weighed no more
+    assert choice.pool_classes == [1] and choice.pool_of(3)[0].tolist() == [0.0, weights[1].item(), 0.0]
 
 
 def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():
