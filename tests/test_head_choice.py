@@ -194,6 +194,28 @@ def test_the_pool_weighs_the_top_only_on_measured_classes_so_a_young_one_keeps_s
     assert choice.pool_classes == [1] and choice.pool_of(3)[0].tolist() == [0.0, weights[1].item(), 0.0]
 
 
+def test_the_top_alone_answers_no_class_while_one_is_young():
+    # classes 0 and 1 measured, class 2 offered but not yet: on the held samples the top, which gives class 2
+    # nothing, is right where streaming LDA loses samples to class 2 (no prior: the search takes the first best head)
+    choice = HeadChoice(measure="held-back")
+    choice.held = HeldBack(hold_from=1, every=1, per_class=20, min_held=10)
+    labels = torch.tensor([0] * 10 + [1] * 10)
+    choice.held.samples = {c: [(torch.zeros(1), torch.zeros(1))] * 10 for c in range(2)}
+    choice.held.seen = {0: 200, 1: 200}  # no class young: the samples move the classes to the top
+    slda = torch.nn.functional.one_hot(labels, 3).float() * 0.6 + 0.1
+    slda[:8] = torch.tensor([0.3, 0.1, 0.6])  # streaming LDA gives 8 of class 0's to the young class
+    top = torch.nn.functional.one_hot(labels, 3).float() * 0.9 + 0.05
+    top[:, 2] = 1e-6
+    top = top / top.sum(1, keepdim=True)
+    probabilities = {"slda": slda, "top": top}
+    choice.choose_on_held(probabilities, labels)
+    assert choice.head_of(0) == "top"
+    choice.held.seen[2] = 5  # class 2 arrives: the top gives its classes back at the next measure
+    choice.choose_on_held(probabilities, labels)
+    assert choice.held.young() == [2] and "top" not in choice.chosen.values()
+    assert (choice.compose(candidates(slda, top, choice.pool_of(3)))[:10].argmax(1) == 0).all()
+
+
 def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():
     labels = torch.tensor([0] * 20 + [1] * 20)
     zero, one = torch.tensor([0.9, 0.1]), torch.tensor([0.1, 0.9])

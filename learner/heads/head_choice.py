@@ -23,6 +23,8 @@ has streaming LDA's log-probability as its term, at the pool's temperature. A lo
 not learned a class veto it, and the top has not learned a young one; serving a young class by streaming LDA's own
 column beside pooled ones (renormalised by `compose`) instead weighs two softmaxes of different temperatures.
 Under the pool as prior, a class not yet measured is answered by the pool, so its answer stays streaming LDA's.
+For the same reason the top alone answers no class while one is young: the held samples are the measured classes',
+and on them the top, which never answers a class it has not learned, looks best precisely because of that blindness.
 
 >>> import torch
 >>> choice = HeadChoice(window=4, min_scored=2, margin=0.25)
@@ -46,6 +48,7 @@ from .held_back import HeldBack, paired_search
 
 CANDIDATES = ("slda", "top", "mix", "pool")
 STREAMING = "slda"  # what answers a class until another head is measured better on it
+BLIND = "top"  # the candidate that gives a class it has not trained on no probability
 WINDOW = 200  # a class's recent samples over which each candidate's hits count
 MIN_SCORED = 50  # of them, how many a head needs before it can take a class
 MARGIN = 0.03  # the lead a challenger needs over the head answering a class
@@ -158,7 +161,11 @@ class HeadChoice:
         probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool_of(classes))
         stacked = stack(probabilities)
         preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
-        choice = paired_search(stacked, labels, self.choice(classes), measured, compose, preferred)
+        choice, barred = self.choice(classes), ()
+        if self.held.young():  # the top alone answers no class while one is young (module docstring)
+            barred = (CANDIDATES.index(BLIND),)
+            choice[choice == barred[0]] = CANDIDATES.index(self.unmoved)
+        choice = paired_search(stacked, labels, choice, measured, compose, preferred, barred)
         self.chosen = {c: CANDIDATES[int(h)] for c, h in enumerate(choice) if CANDIDATES[int(h)] != self.unmoved}
         answers = {**{h: stacked[i] for i, h in enumerate(CANDIDATES)}, "served": compose(stacked, choice)}
         self.held_accuracy = {h: round(float((p.argmax(1) == labels).float().mean()), 4) for h, p in answers.items()}

@@ -67,8 +67,13 @@ class HeldBack:
     def measured(self) -> list[int]:
         return [c for c, held in sorted(self.samples.items()) if len(held) >= self.min_held]
 
+    def young(self) -> list[int]:
+        """Classes offered but not yet measured: the held samples say nothing of them."""
+        return [c for c in sorted(self.seen) if len(self.samples.get(c, ())) < self.min_held]
+
     def forget(self, class_id: int) -> None:
         self.samples.pop(class_id, None)
+        self.seen.pop(class_id, None)
 
     def state_dict(self) -> dict:
         return {"seen": dict(self.seen), "samples": {c: [(s, f) for s, f in held] for c, held in self.samples.items()}}
@@ -79,10 +84,10 @@ class HeldBack:
 
 
 def paired_search(stacked: torch.Tensor, labels: torch.Tensor, choice: torch.Tensor, movable: list[int],
-                  compose, preferred: int | None = None) -> torch.Tensor:
+                  compose, preferred: int | None = None, barred: tuple[int, ...] = ()) -> torch.Tensor:
     """Candidates' probabilities [heads, n, classes] of held samples, their labels, each class's head now
-    [classes] -> each class's head after the moves the samples support (only `movable` classes move), a move
-    to the `preferred` head (an index) wherever the samples do not show it worse.
+    [classes] -> each class's head after the moves the samples support (only `movable` classes move, to no head in
+    `barred`), a move to the `preferred` head (an index) wherever the samples do not show it worse.
 
     >>> import torch
     >>> from learner.heads.head_choice import compose
@@ -98,7 +103,7 @@ def paired_search(stacked: torch.Tensor, labels: torch.Tensor, choice: torch.Ten
     right = compose(stacked, choice).argmax(1) == labels
     for _ in range(MAX_MOVES):
         best = None
-        for trial in _moves(choice, movable, stacked.shape[0]):
+        for trial in _moves(choice, movable, [h for h in range(stacked.shape[0]) if h not in barred]):
             answers = compose(stacked, trial).argmax(1) == labels
             wins, losses = int((answers & ~right).sum()), int((~answers & right).sum())
             lead = wins - losses
@@ -112,15 +117,15 @@ def paired_search(stacked: torch.Tensor, labels: torch.Tensor, choice: torch.Ten
     return choice
 
 
-def _moves(choice: torch.Tensor, movable: list[int], heads: int):
+def _moves(choice: torch.Tensor, movable: list[int], heads: list[int]):
     """Every measured class to one head, then each class alone to each other head."""
-    for head in range(heads):
+    for head in heads:
         trial = choice.clone()
         trial[movable] = head
         if not torch.equal(trial, choice):
             yield trial
     for c in movable:
-        for head in range(heads):
+        for head in heads:
             if head != int(choice[c]):
                 trial = choice.clone()
                 trial[c] = head
