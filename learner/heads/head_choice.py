@@ -210,7 +210,8 @@ class HeadChoice:
 
     def state_dict(self) -> dict:
         return {"hits": {h: {c: list(d) for c, d in by_class.items()} for h, by_class in self.hits.items()},
-                "chosen": dict(self.chosen), "pool": list(self.pool), "pool_classes": None if self.pool_classes is None else list(self.pool_classes),
+                "chosen": dict(self.chosen), "pool": list(self.pool),
+                "pool_classes": None if self.pool_classes is None else list(self.pool_classes),
                 **({"held": self.held.state_dict(), "held_accuracy": self.held_accuracy} if self.held is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
