@@ -126,12 +126,15 @@ class HeadChoice:
     def head_of(self, class_id: int) -> str:
         return self.chosen.get(class_id, self.unmoved)
 
+    def weighed(self, num_classes: int) -> torch.Tensor:
+        """Which classes the pool's weight applies to (a mask): `pool_classes`, or every class."""
+        if self.pool_classes is None:
+            return torch.ones(num_classes, dtype=torch.bool)
+        return torch.isin(torch.arange(num_classes), torch.tensor(self.pool_classes, dtype=torch.long))
+
     def pool_of(self, num_classes: int) -> tuple[torch.Tensor, float]:
         """The pool's weight on the top for each class (0 on one it was not fitted on), and its temperature."""
-        weights = torch.full((num_classes,), float(self.pool[0]))
-        if self.pool_classes is not None:
-            weights *= torch.isin(torch.arange(num_classes), torch.tensor(self.pool_classes, dtype=torch.long))
-        return weights, self.pool[1]
+        return float(self.pool[0]) * self.weighed(num_classes).float(), self.pool[1]
 
     def score(self, probabilities: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """Count one batch answered before its step: each candidate's probabilities [n, classes] of
@@ -156,8 +159,8 @@ class HeadChoice:
         """Fit the pool and choose again on the held-back samples: each candidate's probabilities of them, and
         their labels."""
         classes, measured = probabilities["slda"].shape[1], self.held.measured()
-        weighed = torch.isin(torch.arange(classes), torch.tensor(measured, dtype=torch.long))
-        self.pool, self.pool_classes = fit_pool(probabilities["slda"], probabilities["top"], labels, weighed), measured
+        self.pool_classes = measured
+        self.pool = fit_pool(probabilities["slda"], probabilities["top"], labels, self.weighed(classes))
         probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool_of(classes))
         stacked = stack(probabilities)
         preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
