@@ -95,7 +95,7 @@ class Settings(BaseSettings):
         None, description="with ASER_HEAD_MEASURE=held-back: this head takes each class measured on held-back "
         "samples unless they show it worse (mix: the mean of streaming LDA's and the top's probabilities; pool: "
         "their log-linear pool, weighted by likelihood on the held-back samples; none: a class moves only to a head "
-        "measured better; unset: mix, the rule measured best at full length)")
+        "measured better; unset: pool, the rule measured best at full length)")
     trained_head_from: int | None = Field(None, ge=1, description="with ASER_HEAD=slda: the trained head serves "
                                           "(and snapshots export it) once every class seen has this many samples, "
                                           "streaming LDA while any is younger (unset: streaming LDA always)")

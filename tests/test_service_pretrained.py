@@ -214,7 +214,7 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
 def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(server, photos):
     """ASER_HEAD=chosen: each head is scored on every batch before its step; /status gives what each
     measured and which answers each class; the snapshot exports that answer and says so. By default measured on
-    held-back samples with the mean as the prior; the stream's scores are still reported."""
+    held-back samples with the pool as the prior; the stream's scores are still reported."""
     from clients.onnx_client import OnnxClassifier
     from service.lineage import check_learner, describe_learner
     from service.settings import Settings
@@ -225,7 +225,7 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
         spec = describe_learner(Settings(backbone="lite0", device="cpu", **settings), None)
         return spec.head_measure if spec.lineage.head == "chosen" else None, spec.head_prior
 
-    assert choice_of(head="chosen") == ("held-back", "mix")
+    assert choice_of(head="chosen") == ("held-back", "pool")
     assert choice_of(head="chosen", head_prior="none") == ("held-back", None)
     assert choice_of(head="chosen", head_measure="stream") == ("stream", None)
     assert choice_of() == (None, None)  # streaming LDA alone: no choice, no prior
@@ -243,23 +243,25 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
         assert r.status_code == 201, r.text
     st = wait_trained(server, received + 10, timeout=600)
     assert st["serving_head"] == "chosen" and st["config"]["head"] == "chosen"
-    assert st["config"]["head_measure"] == "held-back" and st["config"]["head_prior"] == "mix"
+    assert st["config"]["head_measure"] == "held-back" and st["config"]["head_prior"] == "pool"
     measured = st["head_choice"]
     # no class has sent its 20th sample since the restart: nothing held back yet
-    assert measured["measure"] == "held-back" and measured["prior"] == "mix"
+    assert measured["measure"] == "held-back" and measured["prior"] == "pool"
     assert measured["held_back"] == {"samples": 0, "accuracy": {}}
     # nothing held back to fit it on yet: its weight on the top applies to no class
     assert measured["pool"] == {"weight": 0.5, "temperature": 1.0, "classes": []}
     assert set(measured["window_accuracy"]) == {"slda", "top", "mix", "pool", "served"}
     assert 0 <= measured["window_accuracy"]["slda"] <= 1 and {"cat", "coffee"} <= set(measured["classes"])
-    # too few samples to measure a class yet: streaming LDA answers every one
-    assert all(c["head"] == "slda" and c["top"] is None for c in measured["classes"].values())
+    # too few samples to measure a class yet: the prior answers every one, and a pool that weighs the top on no
+    # class answers as streaming LDA
+    assert all(c["head"] == "pool" and c["top"] is None for c in measured["classes"].values())
+    assert measured["window_accuracy"]["served"] == measured["window_accuracy"]["slda"]
 
     r = httpx.post(f"{server.url}/snapshots", timeout=300)
     assert r.status_code == 201, r.text
     clf = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{r.json()['id']}").content)
     assert clf.metadata["head"] == "chosen"
-    assert json.loads(clf.metadata["head_choice"]) == {label: "slda" for label in clf.labels}
+    assert json.loads(clf.metadata["head_choice"]) == {label: "pool" for label in clf.labels}
     assert json.loads(clf.metadata["head_pool"]) == {"weight": 0.5, "temperature": 1.0, "classes": []}
     _, images = held_out(photos)
     ours = predict(server, images, k=1)["results"]
