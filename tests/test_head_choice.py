@@ -216,6 +216,25 @@ def test_the_top_alone_answers_no_class_while_one_is_young():
     assert (choice.compose(candidates(slda, top, choice.pool_of(3)))[:10].argmax(1) == 0).all()
 
 
+def test_a_class_arriving_between_measures_takes_its_classes_from_the_top_at_once(stream):
+    # a service answers with the choice of the last measure: the top, which does not know a class that has just
+    # arrived, must not keep old classes until the next mark
+    batches, _ = stream
+    learner = held_back_learner()
+    learner.head_choice.measure_every = 1000  # no mark after the first step: only an arrival measures
+    for x, y in batches[:10]:
+        learner.observe(x[y < 3], y[y < 3])
+    assert learner.head_choice.held.measured() == [0, 1, 2] and not learner.head_choice.held.young()
+    learner.head_choice.chosen = {c: "top" for c in range(3)}  # as a search with no class young may leave them
+    x, y = batches[10]
+    learner.observe(x[y < 3], y[y < 3])
+    assert set(learner.head_choice.chosen.values()) == {"top"}  # no arrival, no mark: the choice stands
+    x, y = batches[11]
+    assert (y == 3).any()
+    learner.observe(x, y)
+    assert learner.head_choice.held.young() == [3] and "top" not in learner.head_choice.chosen.values()
+
+
 def test_the_paired_search_moves_a_class_on_evidence_and_not_on_noise():
     labels = torch.tensor([0] * 20 + [1] * 20)
     zero, one = torch.tensor([0.9, 0.1]), torch.tensor([0.1, 0.9])

@@ -51,6 +51,10 @@ class HeldBack:
             held[i] = n >= self.hold_from and (n - self.hold_from) % self.every == 0 and kept < self.per_class
         return held
 
+    def brings_new_class(self, labels: torch.Tensor) -> bool:
+        """Whether a batch holds a class never offered before (one that arrives young)."""
+        return any(c not in self.seen for c in labels.unique().tolist())
+
     def keep(self, stored: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> None:
         for s, f, label in zip(stored.cpu(), frozen.cpu(), labels.tolist(), strict=True):
             self.samples.setdefault(label, []).append((s.clone(), f.clone()))

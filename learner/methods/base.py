@@ -184,11 +184,13 @@ class ContinualLearner(Serving, HeadClasses):
     def _hold_back(self, pixels, images, frozen, labels):
         """Keep the samples `learner.heads.held_back` picks out of every head's training, choose the heads on
         all those held every `measure_every` steps, and return the batch that trains."""
+        arrival = self.head_choice.held.brings_new_class(labels.cpu())
         held = self.head_choice.held.hold_back(labels.cpu()).to(labels.device)
         if bool(held.any()):
             self.head_choice.held.keep(images[held], frozen[held], labels[held])
             self.samples_seen += int(held.sum())
-        if self.steps % self.head_choice.measure_every == 0:
+        # a class's arrival makes it young, which bars the top alone: at once, not at the next mark
+        if arrival or self.steps % self.head_choice.measure_every == 0:
             self.measure_held()
         keep = ~held
         return pixels[keep], images[keep], frozen[keep], labels[keep]
