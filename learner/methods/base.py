@@ -183,7 +183,7 @@ class ContinualLearner(Serving, HeadClasses):
 
     def _hold_back(self, pixels, images, frozen, labels):
         """Keep the samples `learner.heads.held_back` picks out of every head's training, choose the heads on
-        all those held every `measure_every` steps, and return the batch that trains."""
+        all those held every `measure_every` steps and when a class arrives, and return the batch that trains."""
         arrival = self.head_choice.held.brings_new_class(labels.cpu())
         held = self.head_choice.held.hold_back(labels.cpu()).to(labels.device)
         if bool(held.any()):
