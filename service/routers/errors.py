@@ -148,17 +148,18 @@ class BodyLimit:
             body = error_json("body_too_large", f"the body ({length.decode(errors='replace')} bytes) exceeds "
                               f"{self.max_bytes} bytes", 413)
             return await body(scope, receive, send)
-        seen, complete = 0, False
+        seen, complete, cut = 0, False, False
         deadline = asyncio.get_running_loop().time() + self.deadline_s
 
         async def limited():
-            nonlocal seen, complete
+            nonlocal seen, complete, cut
             if complete:  # after the body only a disconnect can come, whenever it comes
                 return await receive()
             left = deadline - asyncio.get_running_loop().time()
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, min(self.read_timeout_s, left)))
             except TimeoutError:
+                cut = True
                 if left <= self.read_timeout_s:
                     raise InputError("request_timeout", f"the body was not whole after {self.deadline_s:g} s",
                                      408) from None
@@ -167,7 +168,15 @@ class BodyLimit:
                 seen += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
                 if seen > self.max_bytes:
+                    cut = True
                     raise InputError("body_too_large", f"the body exceeds {self.max_bytes} bytes", 413)
             return message
 
-        return await self.app(scope, limited, send)
+        async def closing(message):
+            # A body cut off mid-way leaves unread bytes on the connection: close it (RFC 9110 15.5.9),
+            # else a byte the client sent as the answer left would keep it open for ever.
+            if cut and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, limited, closing)
