@@ -190,16 +190,22 @@ class Publisher:
                 log.info("learner: new class %r (%d classes, step %d)", label, len(labels), learner.steps)
 
     def current(self, learner: ContinualLearner, progress: int) -> bool:
-        """Whether the served copy carries the corrections of the learner's latest step."""
+        """Whether the served copy carries the corrections of the learner's latest step, and the choice of heads
+        on held-back samples (`ContinualLearner.measure_held`) was measured on its weights."""
+        return self._corrected(learner, progress) and not learner.held_measure_due
+
+    def _corrected(self, learner: ContinualLearner, progress: int) -> bool:
         return not _corrects_serving(learner) or self._served_made.at == progress
 
     def correct_now(self, learner: ContinualLearner, progress: int) -> bool:
-        """The served copy's corrections brought up to the learner now, under a new weights version
-        (other answers from the same step); False when they were current already."""
+        """The served copy's corrections and choice of heads brought up to the learner now, under a new weights
+        version (other answers from the same step); False when they were current already."""
         if self.current(learner, progress):
             return False
-        self._refresh_serving(learner, progress, force=True)
+        if not self._corrected(learner, progress):
+            self._refresh_serving(learner, progress, force=True)
         learner.rename_weights()
+        learner.measure_held()  # under the new version: the choice changes what is served too
         return True
 
     def _refresh_serving(self, learner: ContinualLearner, progress: int, force: bool) -> None:

@@ -291,9 +291,10 @@ class LearnerWorker:
         return self.published.memory
 
     def correct_serving_if_idle(self) -> bool:
-        """Nothing to train: bring the served copy's corrections up to the learner, so that an idle
-        service answers with its latest weights, not those of up to ASER_SERVING_REFRESH_STEPS steps
-        ago (a young service has had fewer steps than that). Returns whether it did."""
+        """Nothing to train: bring the served copy's corrections, and the choice of heads on held-back samples, up
+        to the learner, so that an idle service answers with its latest weights as an evaluation in process does,
+        not with those of up to ASER_SERVING_REFRESH_STEPS (corrections) or 50 (the choice) steps ago (a young
+        service has had fewer steps than that). Returns whether it did."""
         if not self.publisher.correct_now(self.learner, self.progress()):
             return False
         self.publish()

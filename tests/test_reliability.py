@@ -263,6 +263,39 @@ def test_an_idle_refit_of_the_served_corrections_is_a_new_model_version(tmp_path
     assert worker.predictor.version == after.version
 
 
+def test_an_idle_worker_measures_the_choice_of_heads_on_its_latest_weights(tmp_path, cifar10_slice):
+    """Under ASER_HEAD=chosen a busy worker serves the choice of the last measure (every 50 steps); an idle one
+    measures the held-back samples on its latest weights, as an evaluation in process does, under a new version."""
+    from learner.heads.held_back import HeldBack
+
+    settings = Settings(data_dir=tmp_path, backbone="lite0", image_size=64, cut=12, method="cb-sv-duel", mem_size=30,
+                        batch_size=10, loss="ace", ema=0.99, head="chosen", max_batch_wait_s=0, snapshot_every_steps=0)
+    db = Database(settings.database_path)
+    store = IngestLog(db, (3, 64, 64))
+    worker = LearnerWorker.open(settings, db, store)
+    worker.learner.head_choice.held = HeldBack(hold_from=2, every=2, per_class=4, min_held=2)
+    worker.learner.head_choice.measure_every = 1000  # only an arrival measures while it trains
+    order = [i for pair in zip(*[torch.nonzero(cifar10_slice.train_y == c).flatten()[:30].tolist() for c in (0, 1)])
+             for i in pair]
+    images = torch.nn.functional.interpolate(cifar10_slice.train_x[order].float(), size=64, mode="bilinear")
+    store.append([NewSample(cifar10_slice.class_names[int(cifar10_slice.train_y[i])], x.round().to(torch.uint8)
+                            .numpy().tobytes()) for i, x in zip(order, images, strict=True)], 10)
+    while worker.train_available():
+        pass
+    learner, before = worker.learner, worker.predictor
+    assert learner.head_choice.held.measured() == [0, 1] and learner.held_measure_due
+    assert not worker.published.current  # the choice served is the arrival's, measured before any class held any
+    assert worker.correct_serving_if_idle()
+    after = worker.predictor
+    assert after.version > before.version and worker.published.current and not learner.held_measure_due
+    weights, temperature = learner.head_choice.pool_of(2)
+    assert learner.head_choice.pool_classes == [0, 1] and (weights > 0).all()  # fitted on both classes
+    assert torch.equal(after.pool[0], weights) and after.pool[1] == temperature
+    assert torch.equal(after.choice, learner.head_choice.choice(2))
+    assert not worker.correct_serving_if_idle()  # measured on these weights: nothing more to do
+    assert worker.predictor.version == after.version
+
+
 def test_a_restart_never_serves_a_model_version_again(tmp_path, cifar10_slice):
     """A crash after steps beyond the last checkpoint: the restart retrains them from the checkpoint,
     under numbers above every one served before (a cache keyed on model_version stays right)."""

@@ -95,7 +95,7 @@ class Serving:
     def candidate_probabilities(self, images: torch.Tensor, batch_size: int = 512) -> dict[str, torch.Tensor]:
         """`head_probabilities` of images (or stored latents), and the served ones under the measured choice (measured
         on the held-back samples first, where they are and the weights changed since: an evaluation in process; a
-        service, which publishes after every step, keeps the choice made every `measure_every` steps)."""
+        service measures when idle, and while its stream keeps it busy serves the choice of the last measure)."""
         self.measure_held()
         parts = []
         for i in range(0, images.shape[0], batch_size):

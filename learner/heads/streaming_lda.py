@@ -178,7 +178,7 @@ class StreamingLDA(StreamingClassMeans):
         seen = self.counts > 0
         if not torch.equal(solved_counts > 0, seen):
             return True
-        if self.young and float(solved_counts[seen].min()) < self.young:
+        if self.young and bool(seen.any()) and float(solved_counts[seen].min()) < self.young:
             return not torch.equal(solved_counts, self.counts)
         return bool(self.counts.sum() > solved_counts.sum() * (1 + TOTAL_GROWTH)
                     or (self.counts[seen] > solved_counts[seen] * (1 + CLASS_GROWTH)).any())

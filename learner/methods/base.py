@@ -195,16 +195,25 @@ class ContinualLearner(Serving, HeadClasses):
         keep = ~held
         return pixels[keep], images[keep], frozen[keep], labels[keep]
 
-    def measure_held(self) -> None:
+    def measure_held(self) -> bool:
         """Under a choice on held-back samples: fit the pool and choose each class's head on all of them, with the
-        weights as they are now (once a weights version): the step does it every `measure_every` steps, an evaluation
-        in process (`candidate_probabilities`) before it answers, since the top moves within a task."""
+        weights as they are now (once a weights version); returns whether it measured. The step does it every
+        `measure_every` steps, an evaluation in process (`candidate_probabilities`) and an idle service before they
+        answer, since the top moves within a task."""
+        if not self.held_measure_due:
+            return False
         choice = self.head_choice
-        if choice is None or choice.held is None or not choice.held.measured() or self._held_measured_at == self.version:
-            return
         stored, features, labels = choice.held.stacked()
         choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), labels)
         self._held_measured_at = self.version
+        return True
+
+    @property
+    def held_measure_due(self) -> bool:
+        """Whether held-back samples are there to measure and the weights changed since they last were."""
+        choice = self.head_choice
+        return (choice is not None and choice.held is not None and bool(choice.held.measured())
+                and self._held_measured_at != self.version)
 
     def warm_up(self) -> None:
         """Build what the first step would (the frozen part's onnxruntime session: its trace passes through

@@ -95,7 +95,8 @@ class Status(BaseModel):
     model_version: int
     steps: int
     serving_current: bool = Field(description="the served model carries the corrections of the learner's latest "
-                                  "step (false for a moment after training, until the idle worker refits them)")
+                                  "step, and its choice of heads was measured on those weights (false for a moment "
+                                  "after training, until the idle worker refits and measures them)")
     serving_head: str = Field(description="the head answering now: slda (streaming LDA on the frozen features), "
                               "softmax (the trained head), ncm, or chosen (ASER_HEAD=chosen: each class by its head "
                               "in head_choice); with ASER_TRAINED_HEAD_FROM it changes as classes grow")
