@@ -48,7 +48,7 @@ def encode_sample(label: str, image: bytes, sample_id: str | None = None) -> dic
 
 def settled(status: dict) -> bool:
     """Whether a /status says the learner has trained on everything received and serves that
-    step's corrections (a server without the field serves none)."""
+    step's corrections and choice of heads (a server without the field has neither)."""
     return not status["backlog"] and status.get("serving_current", True)
 
 
@@ -215,8 +215,8 @@ class ServiceClient:
 
     def drain(self, timeout: float = 600, pause: float = 0.3) -> dict:
         """The status once the learner has trained on everything it received (backlog 0) and
-        serves that step's corrections, or the last status seen when `timeout` seconds ran out:
-        check its backlog."""
+        serves that step's corrections and choice of heads (`serving_current`), or the last status
+        seen when `timeout` seconds ran out: check its backlog."""
         deadline = time.monotonic() + timeout
         while not settled(status := self.status()) and time.monotonic() < deadline:
             time.sleep(pause)
