@@ -284,7 +284,7 @@ def test_an_idle_worker_measures_the_choice_of_heads_on_its_latest_weights(tmp_p
         pass
     learner, before = worker.learner, worker.predictor
     assert learner.head_choice.held.measured() == [0, 1] and learner.held_measure_due
-    assert not worker.published.current  # the choice served is the arrival's, measured before any class held any
+    assert not worker.published.current  # the choice served was measured at the arrival, before the first step
     assert worker.correct_serving_if_idle()
     after = worker.predictor
     assert after.version > before.version and worker.published.current and not learner.held_measure_due

@@ -14,9 +14,10 @@ In a class-incremental stream the incoming samples are the newest classes': a cl
 measured while it was last seen. `measure="held-back"` chooses on samples of every class seen that no head
 trained on instead (`learner.heads.held_back`): the learner holds a few back from each class and asks
 `choose_on_held` every MEASURE_EVERY steps, when a class arrives, and before an evaluation in process or an idle
-service answers (`ContinualLearner.measure_held`), which fits the pool first; the stream's scores are then only reported. There a
-`prior` head takes each measured class unless its held samples show it worse (the pool, "pool", is the service's
-where unset: above the mean ten images into each new class on every set measured, docs/results/adapting.md).
+service answers (`ContinualLearner.measure_held`), which fits the pool first; the stream's scores are then only
+reported. There a `prior` head takes each measured class unless its held samples show it worse (the pool, "pool",
+is the service's where unset: above the mean ten images into each new class on every set measured,
+docs/results/adapting.md).
 
 The pool weighs the top only on the classes it was fitted on (`pool_of`): a class not yet measured on held samples
 has streaming LDA's log-probability as its term, at the pool's temperature. A log-linear pool lets a head that has
