@@ -59,8 +59,9 @@ class Settings(BaseSettings):
     lr: float | None = Field(None, gt=0, description="SGD's learning rate (unset: 0.1 from scratch, 0.01 on lite0)")
     step: Literal["joint", "separate"] = Field("joint", description="replay step: one forward pass of incoming + "
                                                "replayed samples (joint) or two with summed losses (separate)")
-    loss: Literal["ce", "ace"] = Field("ace", description="replay loss: cross-entropy (ce) or ER-ACE's asymmetric "
-                                       "cross-entropy (ace)")
+    loss: Literal["ce", "ace", "ace-lone"] = Field("ace", description="replay loss: cross-entropy (ce), ER-ACE's "
+                                                   "asymmetric cross-entropy (ace), or ace with a batch of one class "
+                                                   "learned by cross-entropy (ace-lone)")
     # the stronger learner's options; unset, each takes its method's default (TUNED_DEFAULTS)
     augment: bool | Literal["strong"] | None = Field(None, description="replay methods: random crop + flip of "
                                                      "every training batch (true); strong: random resized crop, "

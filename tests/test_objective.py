@@ -1,4 +1,4 @@
-"""The replay objective's options (step joint|separate, loss ce|ace) and the NCM classifier, on
+"""The replay objective's options (step joint|separate, loss ce|ace|ace-lone) and the NCM classifier, on
 real CIFAR-10 images, checked against steps and means written out by hand."""
 
 import copy
@@ -119,6 +119,26 @@ def test_ace_gives_absent_classes_no_gradient_from_the_incoming_batch(cifar10_sl
     mem_x, mem_y = learner.buffer.images[:10], learner.buffer.labels[:10]
     mixed = head_gradient(learner, ReplayObjective("ace", step), x2, y2, mem_x, mem_y)
     assert mixed[[0, 1]].abs().sum() > 0
+
+
+@pytest.mark.parametrize("step", ["joint", "separate"])
+def test_ace_lone_learns_a_batch_of_one_class_against_every_class(cifar10_slice, step):
+    """ACE gives an incoming batch of one class no loss (its logit against itself); ace-lone gives it
+    plain cross-entropy's, and a batch of several classes ACE's."""
+    learner, (x2, y2) = replayed_after_first_batch("er", cifar10_slice)
+    none = torch.empty(0, *x2.shape[1:], dtype=torch.uint8), torch.empty(0, dtype=torch.long)
+    lone_x, lone_y = x2[y2 == 2], y2[y2 == 2]
+    assert lone_y.numel() == 5
+
+    ace = head_gradient(learner, ReplayObjective("ace", step), lone_x, lone_y, *none)
+    assert torch.count_nonzero(ace) == 0
+    lone = head_gradient(learner, ReplayObjective("ace-lone", step), lone_x, lone_y, *none).clone()
+    ce = head_gradient(learner, ReplayObjective("ce", step), lone_x, lone_y, *none)
+    torch.testing.assert_close(lone, ce)
+    assert lone[0].abs().sum() > 0  # class 0 (absent) is pushed down
+
+    mixed_lone = head_gradient(learner, ReplayObjective("ace-lone", step), x2, y2, *none).clone()
+    torch.testing.assert_close(mixed_lone, head_gradient(learner, ReplayObjective("ace", step), x2, y2, *none))
 
 
 def test_objective_options_are_checked():

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay methods: one forward pass of B_n u B_M (joint, the paper's Algorithm 1) or two, "
                           "summing the two mean losses (separate, the authors' ER code)")
     run.add_argument("--loss", choices=LOSSES, default="ce",
-                     help="replay methods: cross-entropy (ce) or ER-ACE's asymmetric cross-entropy (ace)")
+                     help="replay methods: cross-entropy (ce), ER-ACE's asymmetric cross-entropy (ace), or ace with a "
+                          "batch of one class learned by cross-entropy (ace-lone)")
     run.add_argument("--augment", nargs="?", const=True, default=False, type=augment_policy, metavar="strong",
                      help="replay methods: random crop (padding 4) + horizontal flip of every training batch; "
                           "--augment strong: random resized crop (area 0.2-1) + flip + colour jitter + grayscale")

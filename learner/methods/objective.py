@@ -10,16 +10,24 @@ two independent options that compose with every memory update and retrieval poli
 - loss `ace` (ER-ACE, Caccia et al., ICLR 2022): the incoming batch's cross-entropy over the
   logits of the classes present in that batch only; the replayed batch's over all classes.
   It needs no task boundaries, so a service can use it.
+- loss `ace-lone`: ACE, except that an incoming batch of a single class takes the cross-entropy over
+  every class, as `ce`. Under ACE such a batch has no loss at all (one logit against itself), so a
+  class that arrives alone (a device that sees one class at a time, a last task of one class)
+  learns from the replayed batch only.
 - `distill` lambda (MKD, Michel et al., ICML 2024, with one teacher): the moving average of the
   weights (`learner.heads.ema`) teaches. On the same training batch the step adds
   lambda * T^2 * KL(softmax(teacher / T) || softmax(student / T)) at T = 4 (Hinton's scaling, as MKD's
   code), the teacher's logits from one extra forward pass without gradients (about a third of a
-  step). It composes with both step forms and both losses; 0 (the default) adds nothing.
+  step). It composes with both step forms and every loss; 0 (the default) adds nothing.
 
 >>> import torch
 >>> logits = torch.tensor([[2.0, 0.0, 5.0], [0.0, 1.0, 5.0]])
 >>> incoming_losses(logits, torch.tensor([0, 1]), "ace")  # class 2 is absent: its logit is ignored
 tensor([0.1269, 0.3133])
+>>> incoming_losses(logits, torch.tensor([0, 0]), "ace").abs()  # one class: nothing to compare
+tensor([0., 0.])
+>>> incoming_losses(logits, torch.tensor([0, 0]), "ace-lone")  # one class: against every class
+tensor([3.0550, 5.0247])
 """
 
 from __future__ import annotations
@@ -30,14 +38,14 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-LOSSES = ("ce", "ace")
+LOSSES = ("ce", "ace", "ace-lone")
 STEPS = ("joint", "separate")
 DISTILL_TEMPERATURE = 4.0
 
 
 def incoming_losses(logits: torch.Tensor, labels: torch.Tensor, loss: str) -> torch.Tensor:
     """Per-sample losses of the incoming batch B_n."""
-    if loss == "ace":
+    if loss == "ace" or (loss == "ace-lone" and bool((labels != labels[0]).any())):
         present = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
         present[labels] = True
         logits = logits.masked_fill(~present, torch.finfo(logits.dtype).min)
@@ -94,7 +102,7 @@ class ReplayObjective:
         if self.loss == "ce":
             loss = F.cross_entropy(logits, y)  # the same operation as before the options existed
         else:
-            loss = torch.cat([incoming_losses(logits[:n], labels, "ace"),
+            loss = torch.cat([incoming_losses(logits[:n], labels, self.loss),
                               F.cross_entropy(logits[n:], y[n:], reduction="none")]).mean()
         return loss + self._distilled(logits, x, teacher)
 
