@@ -45,7 +45,7 @@ DISTILL_TEMPERATURE = 4.0
 
 def incoming_losses(logits: torch.Tensor, labels: torch.Tensor, loss: str) -> torch.Tensor:
     """Per-sample losses of the incoming batch B_n."""
-    if loss == "ace" or (loss == "ace-lone" and bool((labels != labels[0]).any())):
+    if loss == "ace" or (loss == "ace-lone" and bool((labels[1:] != labels[:-1]).any())):  # several classes
         present = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
         present[labels] = True
         logits = logits.masked_fill(~present, torch.finfo(logits.dtype).min)
