@@ -145,6 +145,9 @@ class Settings(BaseSettings):
     idle_rehearsal: bool = Field(False, description="replay-only steps from the memory while no batch is due")
     idle_rehearsal_share: float = Field(0.5, gt=0, le=1, description="the most of the worker's time idle rehearsal "
                                         "may take (it pauses between its steps to stay under it)")
+    idle_rehearsal_per_step: int = Field(0, ge=0, description="the most replay-only steps idle rehearsal takes for "
+                                         "each stream step trained, the budget growing with the stream (0: no "
+                                         "bound but the share); a memory replayed without end fits itself")
 
     # retention (service.retention): the ingest log's disk stays bounded for months
     retain_pixels_s: float = Field(86400.0, ge=0, description="drop the pixels of samples a checkpoint has trained "

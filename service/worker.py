@@ -242,6 +242,9 @@ class LearnerWorker:
         s = self.settings
         if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self.forgetting.waiting:
             return False
+        lr = self.learner
+        if s.idle_rehearsal_per_step and lr.rehearsal_steps >= s.idle_rehearsal_per_step * lr.steps:
+            return False  # the budget the stream has earned so far is spent
         pause = self._rehearsal_next - time.monotonic()
         if pause > 0:  # keeping to the share; an arriving sample wakes the loop
             self.wakeup.wait(min(pause, 0.5))

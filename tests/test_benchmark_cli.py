@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from clients.bench.benchmark import main
+from clients.bench.benchmark import build_parser, main
+from clients.bench.resume import run_identity
 from clients.bench.speed import _learner_step
 from learner.methods.registry import PAPER_SETTINGS
 
@@ -44,6 +45,25 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
     text = table.read_text()
     assert "| cifar10 | 30 | er (20/class) | 2 |" in text and "| cifar10 | - | iid-offline (20/class) | 1 |" in text
     assert (tmp_path / "acc.png").stat().st_size > 1000
+
+
+def test_rehearsals_take_replay_only_steps_after_each_batch_and_name_the_run(tmp_path, cache_dir, cifar10_slice,
+                                                                             capsys):
+    plain, idle = tmp_path / "er.json", tmp_path / "er-rehearsals.json"
+    assert run(tmp_path, cache_dir, "er", plain, "--seed", "0") == 0
+    assert run(tmp_path, cache_dir, "er", idle, "--seed", "0", "--rehearsals", "2") == 0
+    without, rehearsed = json.loads(plain.read_text()), json.loads(idle.read_text())
+    assert "rehearsal_steps" not in without and "rehearsals" not in without["settings"]
+    # the memory holds samples from the first batch on: two replay-only steps after each of the 20
+    assert rehearsed["steps"] == 20 and rehearsed["rehearsal_steps"] == 40 and rehearsed["settings"]["rehearsals"] == 2
+    # a checkpoint of the rehearsing run is another run's to the plain one
+    parsed = [build_parser().parse_args(["run", "--dataset", "cifar10", "--data", str(CIFAR10_ZIP),
+                                          "--method", "er", *extra]) for extra in ((), ("--rehearsals", "2"))]
+    identities = [run_identity(args, cifar10_slice, 0) for args in parsed]
+    assert "rehearsals" not in identities[0] and identities[1]["rehearsals"] == 2
+    for misuse in (("iid-offline", "--rehearsals", "1"), ("er", "--rehearsals", "1", "--stream-rate", "2x")):
+        assert run(tmp_path, cache_dir, misuse[0], tmp_path / "x.json", *misuse[1:]) == 2
+        assert "--rehearsals is for in-process streams" in capsys.readouterr().err
 
 
 def test_speed_times_the_cases_asked_for_round_by_round(tmp_path, capsys):

@@ -24,14 +24,17 @@ def test_eurosat_photos_split_by_the_readme_rule_in_the_order_of_their_number():
         assert [image for _, image in first] == [z.read(f"River/River_{n}.jpg") for n in (1, 2, 3)]
 
 
-def test_a_split_stream_through_the_service_is_learned_and_the_snapshot_answers_as_predict(tmp_path):
+def test_a_paced_split_stream_through_the_service_is_learned_and_the_snapshot_answers_as_predict(tmp_path):
     out = tmp_path / "stream.json"
     assert client_stream.main(["--data", str(EUROSAT_ZIP), "--train-per-class", "12", "--test-per-class", "5",
-                               "--out", str(out)]) == 0
+                               "--rate", "30", "--env", "ASER_IDLE_REHEARSAL=true",
+                               "--env", "ASER_IDLE_REHEARSAL_PER_STEP=2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     run = result["runs"][0]
     assert [list(task) for task in run["tasks"]] == [["10", "end"]] * 5
     assert run["samples_sent"] == run["samples_trained"] == 120 and run["samples_skipped"] == 0
+    # paced: idle between batches and while measured, it rehearses within the budget of two a stream step
+    assert result["rate"] == 30 and run["steps"] >= 12 and 0 < run["rehearsal_steps"] <= 2 * run["steps"]
     assert run["final_accuracy"] >= 40 and run["anytime"]["10"] >= 40  # 10 classes: chance is 10
     parity = run["onnx_parity"]
     assert parity["compared"] == 50 and parity["same_top1"] == 50 and parity["max_probability_gap"] < 1e-3

@@ -300,3 +300,23 @@ def test_a_skipped_chunk_reaches_the_memory_update_a_stream_batch_at_a_time(cifa
     CatchUp(bound_s=10, batch_size=10).skip(learner, 0.0, y, lambda idx: x[idx])
     assert sizes == [10] * 9 + [5] and learner.samples_skipped == 95 and learner.samples_thinned == 0
     assert learner.steps == 10 and len(learner.buffer) == 50  # no step; the memory stays full
+
+
+def test_idle_rehearsal_spends_only_the_budget_the_stream_has_earned(tmp_path):
+    server = Server(tmp_path / "svc", method="er", idle_rehearsal="true", idle_rehearsal_share=0.5,
+                    idle_rehearsal_per_step=2, max_batch_wait_s=30).start()
+    samples = two_classes(50)
+    try:
+        with ServiceClient(server.url) as client:
+            for start, upto in ((0, 40), (40, 50)):
+                client.stream_samples(samples[start:upto])
+                steps = upto // 10  # batches of ten
+                deadline = time.monotonic() + 60  # rehearsal steps at the pace a loaded machine allows
+                while (idle := status(server))["lag"]["rehearsal_steps"] < 2 * steps:
+                    assert time.monotonic() < deadline, f"{idle['lag']['rehearsal_steps']} rehearsal steps in 60 s"
+                    time.sleep(0.1)
+                time.sleep(2)  # dozens of rehearsal steps' time: the budget holds them back
+                idle = status(server)
+                assert idle["steps"] == steps and idle["lag"]["rehearsal_steps"] == 2 * steps
+    finally:
+        server.stop()

@@ -24,6 +24,7 @@ from learner.heads.head_choice import CANDIDATES
 from learner.heads.streaming_lda import HEADS
 from learner.methods.base import OPTIMIZERS, SERVING_BN
 from learner.methods.objective import LOSSES, STEPS
+from learner.methods.registry import IID_EPOCHS
 from learner.networks.backbone import BACKBONES, make_backbone
 from learner.networks.lite0 import POOLED
 
@@ -69,6 +70,10 @@ def cmd_run(args) -> int:
             print("error: --backbone is for in-process runs on the ordinary protocol", file=sys.stderr)
             return 2
         data = with_backbone(args, data)
+    if args.rehearsals and (args.stream_rate or args.via or args.method in IID_EPOCHS or args.rehearsals < 0):
+        print("error: --rehearsals is for in-process streams on the ordinary protocol (the real-time one has "
+              "--idle-rehearsal)", file=sys.stderr)
+        return 2
     if args.calibrate_only:
         args.stream_rate = args.stream_rate or "1x"
         costs, rate = stream_costs(args, data, resolve_device(args.device))
@@ -204,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "cheapest step (one iteration, no augmentation, ASER's memory policies' lean forms: "
                           "learner.methods.registry.lean_method; priced as that configuration)")
     run.add_argument("--idle-rehearsal", action="store_true", help="with --stream-rate: replay-only steps when idle")
+    run.add_argument("--rehearsals", type=int, default=0, metavar="N",
+                     help="replay methods on the ordinary protocol: N replay-only steps from the memory after each "
+                          "incoming batch, the idle time of a stream slower than the learner (the service's "
+                          "ASER_IDLE_REHEARSAL); counted in the training time")
     run.add_argument("--rehearsal-share", type=float, default=0.5, help="with --idle-rehearsal: its share of time")
     run.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                      help="with --stream-rate: seconds per step, skip and rehearsal per configuration (calibrated "

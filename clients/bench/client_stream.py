@@ -5,7 +5,9 @@ field would send them. Measured through `POST /predict` on `--test-per-class` he
 every class seen so far: once each new class has sent 10, 100 and 1000 photos (the benchmark's
 anytime accuracy, `clients.bench.protocol.AnytimeProbe`), and at the end of each task. At the end: the head
 the service serves (and its stream-measured choice), and the ONNX snapshot's parity with `/predict`
-(the same top-1 label on every test photo, the largest gap in its probability).
+(the same top-1 label on every test photo, the largest gap in its probability). With `--rate R` the
+device sends R photos a second, ten at a time, and a service that rehearses while idle
+(ASER_IDLE_REHEARSAL) has the time between them.
 
     python -m clients.bench.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
         --out results/client-stream/eurosat-default.json
@@ -39,6 +41,7 @@ from .sweep import seeds as parse_seeds
 
 CLASSES_A_TASK = 2
 LARGE = 10**9  # every photo a class has
+PACED_BATCH = 10  # photos a paced device sends at once: the service's batch
 
 
 def class_names(data: Path) -> list[str]:
@@ -75,15 +78,27 @@ def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], 
             "snapshot_head": onnx.metadata.get("head", "")}
 
 
+def send(client: ServiceClient, photos: list[tuple[str, bytes]], rate: float | None) -> None:
+    """As fast as they are acknowledged, or `rate` photos a second, a batch of ten at a time (a device that
+    sends what it sees as it sees it: the service is idle between its batches)."""
+    if not rate:
+        client.stream_samples(photos)
+        return
+    start = time.perf_counter()
+    for i in range(0, len(photos), PACED_BATCH):
+        time.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        client.stream_samples(photos[i:i + PACED_BATCH])
+
+
 def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[tuple[str, bytes]],
-              per_class: int) -> dict:
+              per_class: int, rate: float | None = None) -> dict:
     """Send one task's photos; measure at each anytime point it reaches and at its end."""
     points, sent = {}, 0
     for point in (*ANYTIME_POINTS, LARGE):
         upto = min(len(train), CLASSES_A_TASK * min(point, per_class))
         if upto <= sent:
             continue
-        client.stream_samples(train[sent:upto])
+        send(client, train[sent:upto], rate)
         sent = upto
         status = client.drain()
         found = {"accuracy": accuracy(client, test)[0], "serving_head": status["serving_head"],
@@ -95,7 +110,7 @@ def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[
     return points
 
 
-def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int) -> dict:
+def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int, rate: float | None = None) -> dict:
     names = class_names(data)
     tasks = [names[i:i + CLASSES_A_TASK] for i in range(0, len(names), CLASSES_A_TASK)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +122,7 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                     seen = [c for task in tasks[:t + 1] for c in task]
                     train = real_jpegs(data, CLASSES_A_TASK * per_class, classes=classes)
                     test = real_jpegs(data, len(seen) * test_per_class, split="test", classes=seen)
-                    along.append(send_task(client, train, test, per_class))
+                    along.append(send_task(client, train, test, per_class, rate))
                     sent += len(train)
                     print(f"seed {seed} task {t + 1} {classes}: "
                           + ", ".join(f"@{k} {v['accuracy']}" for k, v in along[-1].items()), flush=True)
@@ -122,6 +137,7 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
             "tasks": along, "serving_head": status["serving_head"], "head_choice": status["head_choice"],
             "samples_sent": sent,
             "samples_trained": status["samples_trained"], "samples_skipped": status["lag"]["samples_skipped"],
+            "steps": status["steps"], "rehearsal_steps": status["lag"]["rehearsal_steps"],
             "stream_seconds": round(seconds, 1), "onnx_parity": parity, "config": status["config"]}
 
 
@@ -132,15 +148,17 @@ def main(argv=None) -> int:
     parser.add_argument("--test-per-class", type=int, default=200, help="held-out photos a class in each measurement")
     parser.add_argument("--seeds", default="0", help="ASER_SEED of each run: 0 or 0-4")
     parser.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a setting of the service")
+    parser.add_argument("--rate", type=float, metavar="R",
+                        help="photos a second the device sends, ten at a time (default: as fast as acknowledged)")
     parser.add_argument("--out", help="write the result here (JSON)")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
-    runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class)
+    runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class, args.rate)
             for seed in parse_seeds(args.seeds)]
     mean = {"final_accuracy": round(sum(r["final_accuracy"] for r in runs) / len(runs), 2),
             "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}}
     result = {"data": Path(args.data).name, "train_per_class": args.train_per_class if args.train_per_class < LARGE
-              else "all", "test_per_class": args.test_per_class, "env": env, "mean": mean, "runs": runs,
+              else "all", "test_per_class": args.test_per_class, **({"rate": args.rate} if args.rate else {}), "env": env, "mean": mean, "runs": runs,
               "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
               "command": "python -m clients.bench.client_stream " + shlex.join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -250,6 +250,8 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
         incoming += stats.get("replayed_incoming", 0)
         if anytime is not None:
             anytime.after_batch(learner, y, run)
+        for _ in range(getattr(args, "rehearsals", 0)):  # the idle time before the next batch arrives
+            learner.rehearse()
         bar.update(1)
     if evaluate_after:
         learner.end_task()
@@ -333,6 +335,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         **({"train_cpu_seconds": round(run["train_cpu_seconds"], 2)} if "train_cpu_seconds" in run else {}),
         **backbone_record(args, data, learner),
         "steps": learner.steps,
+        **({"rehearsal_steps": learner.rehearsal_steps} if learner.rehearsal_steps else {}),
         **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
@@ -349,6 +352,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             "train_per_class": args.train_per_class, "test_per_class": args.test_per_class,
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
             **({"train_every": args.train_every} if getattr(args, "train_every", 1) != 1 else {}),
+            **({"rehearsals": args.rehearsals} if getattr(args, "rehearsals", 0) else {}),
             **({"optimizer": args.optimizer} if getattr(args, "optimizer", "sgd") != "sgd" else {}),
             **({"head_lr": args.head_lr} if getattr(args, "head_lr", None) else {}),
             **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),

@@ -31,7 +31,7 @@ IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "ba
 OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100, "distill": 0.0,
                    "serving_bn": "average", "serving_bias": False, "backbone": "scratch", "input_size": 128,
                    "cut": POOLED, "latent_bits": 16, "serving_head": None,
-                   "trained_head_from": None}
+                   "trained_head_from": None, "rehearsals": 0}
 
 
 class CheckpointMismatch(ValueError):
