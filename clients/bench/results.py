@@ -63,6 +63,8 @@ def run_label(result: dict) -> str:
     'er (ace, one-class batches)'
     >>> run_label({"method": "er", "settings": {"loss": "ace", "augment": True, "iterations": 3, "ema": 0.99}})
     'er (ace, aug, 3 iter, ema 0.99)'
+    >>> run_label({"method": "er", "settings": {"loss": "ace", "rehearsals": 3}})
+    'er (ace, 3 rehearsals a batch)'
     >>> run_label({"method": "cb-sv-duel", "settings": {"loss": "ace", "feature_max_age": 0}})
     'cb-sv-duel (ace, age 0)'
     >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "2x", "max_lag_s": 60.0,
@@ -88,6 +90,8 @@ def run_label(result: dict) -> str:
         modes.append(f"{settings['iterations']} iter")
     if settings.get("train_every", 1) != 1:
         modes.append(f"a step every {settings['train_every']} batches")
+    if settings.get("rehearsals"):
+        modes.append(f"{settings['rehearsals']} rehearsals a batch")
     if settings.get("optimizer", "sgd") != "sgd":
         modes.append(settings["optimizer"])
     if settings.get("ema"):
