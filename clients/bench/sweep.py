@@ -21,7 +21,8 @@ value or a list, and the block stands for every combination:
 
 Other keys of a block (lr, ...) are passed to `run` as they are (true: a flag alone) and do not enter
 the file names, except the real-time protocol's (stream_rate, max_lag, catch_up_memory_share, lean_when_behind,
-idle_rehearsal) and feature_max_age (the class-balanced KNN-SV memories' staleness bound).
+idle_rehearsal), feature_max_age (the class-balanced KNN-SV memories' staleness bound), the pretrained backbone's and
+its heads' settings, and rehearsals.
 Each run writes DIR/<dataset>/<method>[-<precision>][-<step>][-<loss>][-aug][-it<N>][-ema<D>][-n<N>][-m<M>]-seed<s>.json
 (defaults left out, so earlier result files count). A combination whose file exists is skipped,
 so a sweep resumes where it stopped, across sessions. N runs go at once, each in its own process
@@ -116,6 +117,9 @@ class RunSpec:
         >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
         ...         ("cut", 11), ("serving_head", "slda"), ("optimizer", "adam"), ("lr", 0.001))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut11-serveslda-adam-lr0.001-m1000-seed0.json'
+        >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
+        ...         ("cut", 11), ("serving_head", "slda"), ("rehearsals", 3))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-serveslda-m1000-rehearsals3-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -165,6 +169,8 @@ class RunSpec:
             parts.append(f"lr{extra['lr']:g}")
         if self.uses_memory:
             parts.append(f"m{self.mem_size}")
+        if extra.get("rehearsals"):
+            parts.append(f"rehearsals{extra['rehearsals']}")
         return "-".join(parts) + f"-seed{self.seed}.json"
 
     def command(self, data: str, out: Path, threads: int, device: str, checkpoint: Path) -> list[str]:
