@@ -31,6 +31,7 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
         for key in (k for k in r if k.startswith("accuracy_matrix")):  # a task not yet seen is not scored
             assert all((r[key][i][j] is None) == (j > i) for i in range(5) for j in range(5)), key
         assert r["average_forgetting"] is not None and r["steps"] == 20 and r["train_seconds"] > 0
+        assert "rehearsal_steps" not in r and "rehearsals" not in r["settings"]  # none unless asked
         assert r["settings"]["train_samples"] == 200 and r["command"].startswith("python -m clients.bench.benchmark")
         share = r["replay_incoming_share"]  # task 1: memory holds only the incoming task's classes
         assert len(share) == 5 and share[0] > 50 and all(0 <= s <= 100 for s in share)
@@ -49,11 +50,9 @@ def test_run_writes_one_result_per_seed_and_table_summarises(tmp_path, cache_dir
 
 def test_rehearsals_take_replay_only_steps_after_each_batch_and_name_the_run(tmp_path, cache_dir, cifar10_slice,
                                                                              capsys):
-    plain, idle = tmp_path / "er.json", tmp_path / "er-rehearsals.json"
-    assert run(tmp_path, cache_dir, "er", plain, "--seed", "0") == 0
+    idle = tmp_path / "er-rehearsals.json"
     assert run(tmp_path, cache_dir, "er", idle, "--seed", "0", "--rehearsals", "2") == 0
-    without, rehearsed = json.loads(plain.read_text()), json.loads(idle.read_text())
-    assert "rehearsal_steps" not in without and "rehearsals" not in without["settings"]
+    rehearsed = json.loads(idle.read_text())
     # the memory holds samples from the first batch on: two replay-only steps after each of the 20
     assert rehearsed["steps"] == 20 and rehearsed["rehearsal_steps"] == 40 and rehearsed["settings"]["rehearsals"] == 2
     # a checkpoint of the rehearsing run is another run's to the plain one

@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     mean = {"final_accuracy": round(sum(r["final_accuracy"] for r in runs) / len(runs), 2),
             "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}}
     result = {"data": Path(args.data).name, "train_per_class": args.train_per_class if args.train_per_class < LARGE
-              else "all", "test_per_class": args.test_per_class, **({"rate": args.rate} if args.rate else {}), "env": env, "mean": mean, "runs": runs,
+              else "all", "test_per_class": args.test_per_class, **({"rate": args.rate} if args.rate else {}),
+              "env": env, "mean": mean, "runs": runs,
               "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
               "command": "python -m clients.bench.client_stream " + shlex.join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
