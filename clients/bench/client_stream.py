@@ -38,6 +38,7 @@ from .machine import machine_description
 from .protocol import ANYTIME_POINTS
 from .results import write_result
 from .sweep import seeds as parse_seeds
+from .via_service import paced
 
 CLASSES_A_TASK = 2
 LARGE = 10**9  # every photo a class has
@@ -84,10 +85,9 @@ def send(client: ServiceClient, photos: list[tuple[str, bytes]], rate: float | N
     if not rate:
         client.stream_samples(photos)
         return
-    start = time.perf_counter()
-    for i in range(0, len(photos), PACED_BATCH):
-        time.sleep(max(0.0, start + i / rate - time.perf_counter()))
-        client.stream_samples(photos[i:i + PACED_BATCH])
+    batches = [(None, photos[i:i + PACED_BATCH]) for i in range(0, len(photos), PACED_BATCH)]
+    for _, batch in paced(batches, rate, time.perf_counter(), 0):
+        client.stream_samples(batch)
 
 
 def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[tuple[str, bytes]],
