@@ -6,11 +6,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from clients.bench.benchmark import build_parser, main
 from clients.bench.protocol import run_once
-from clients.bench.resume import load_run_state, run_identity
+from clients.bench.resume import CheckpointMismatch, load_run_state, run_identity
 from learner.data import load_dataset
 
 from .conftest import CIFAR10_ZIP, ROOT
@@ -81,6 +82,25 @@ def test_another_runs_checkpoint_is_refused_and_kept(tmp_path, cache_dir, capsys
     run_once(args, data, 0, progress=False, checkpoint=checkpoint)
     code = main(["run", *run_args(cache_dir, "er", "--lr", "0.05", "--checkpoint", str(checkpoint))])
     assert code == 2 and "lr differ" in capsys.readouterr().err and checkpoint.exists()
+
+
+def test_a_later_option_is_part_of_the_identity_and_an_older_checkpoint_is_compared_without_it(tmp_path, cache_dir,
+                                                                                              capsys):
+    args = build_parser().parse_args(["run", *run_args(cache_dir, "er")])
+    data = load_dataset("cifar10", CIFAR10_ZIP, 100, 20, cache_dir)
+    checkpoint = tmp_path / "er.resume.pt"
+    run_once(args, data, 0, progress=False, checkpoint=checkpoint)
+    code = main(["run", *run_args(cache_dir, "er", "--optimizer", "adam", "--checkpoint", str(checkpoint))])
+    assert code == 2 and "optimizer differ" in capsys.readouterr().err
+
+    state = torch.load(checkpoint, weights_only=False)  # as written before the optimizer was named
+    del state["run"]["identity"]
+    torch.save(state, checkpoint)
+    adam = build_parser().parse_args(["run", *run_args(cache_dir, "er", "--optimizer", "adam")])
+    assert load_run_state(checkpoint, run_identity(adam, data, 0), data)["progress"] == state["progress"]
+    lr = build_parser().parse_args(["run", *run_args(cache_dir, "er", "--lr", "0.05")])
+    with pytest.raises(CheckpointMismatch, match="lr differ"):
+        load_run_state(checkpoint, run_identity(lr, data, 0), data)
 
 
 def test_a_sweep_goes_on_from_the_checkpoint_a_cut_off_session_left(tmp_path, cache_dir):

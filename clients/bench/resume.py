@@ -27,11 +27,15 @@ from learner.networks.lite0 import POOLED
 IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "batch_size", "replay_batch",
                  "tasks", "epochs", "step", "loss", "exclude_current_task", "one_class_batches", "bf16",
                  "bf16_latent", "compile", "train_per_class", "test_per_class")
+# named from the identity's version 2 on: a checkpoint written before (no version) is compared without them
+LATER_OPTIONS = {"optimizer": "sgd", "head_lr": None, "choose_head": False, "head_prior": None, "train_every": 1,
+                 "standardize_features": False}
+IDENTITY_VERSION = 2
 # later options: named only when set, so checkpoints written before they existed still match
 OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100, "distill": 0.0,
                    "serving_bn": "average", "serving_bias": False, "backbone": "scratch", "input_size": 128,
                    "cut": POOLED, "latent_bits": 16, "serving_head": None,
-                   "trained_head_from": None, "rehearsals": 0}
+                   "trained_head_from": None, "rehearsals": 0, **LATER_OPTIONS}
 
 
 class CheckpointMismatch(ValueError):
@@ -42,7 +46,7 @@ def run_identity(args, data: ImageDataset, seed: int) -> dict:
     identity = {key: getattr(args, key, None) for key in IDENTITY_KEYS}
     identity |= {key: getattr(args, key, d) for key, d in OPTION_DEFAULTS.items() if getattr(args, key, d) != d}
     return {**identity, "seed": seed, "train_samples": int(data.train_y.numel()),
-            "test_samples": int(data.test_y.numel())}
+            "test_samples": int(data.test_y.numel()), "identity": IDENTITY_VERSION}
 
 
 def save_run_state(path: Path, state: dict, data: ImageDataset) -> None:
@@ -61,6 +65,8 @@ def load_run_state(path: Path, identity: dict, data: ImageDataset) -> dict | Non
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if "identity" not in state["run"]:
+        identity = {k: v for k, v in identity.items() if k not in LATER_OPTIONS and k != "identity"}
     if state["run"] != identity:
         differ = sorted(k for k in identity.keys() | state["run"].keys() if identity.get(k) != state["run"].get(k))
         raise CheckpointMismatch(f"{path} is another run's checkpoint (its {', '.join(differ)} differ); "
