@@ -34,6 +34,12 @@ class NoClassesYet(ServiceError):
     code = "no_classes"
 
 
+class SleepOff(ServiceError):
+    """A sleep was asked of a service that does not sleep (ASER_SLEEP unset)."""
+
+    code = "sleep_off"
+
+
 class SnapshotFailed(ServiceError):
     code = "snapshot_failed"
 

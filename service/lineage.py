@@ -15,8 +15,10 @@ checkpoints, and hands down the answer (a `LearnerSpec`): the settings stay plai
 ('scratch', 32, 2, True, 'softmax')
 >>> scratch.identity()
 {'ASER_METHOD': 'cb-sv-duel', 'ASER_STEP': 'joint', 'ASER_LOSS': 'ace', 'ASER_AUGMENT': 'True', 'ASER_ITERATIONS': '2'}
->>> Settings().cut == POOLED  # the settings name the pooled cut without importing torch
-True
+>>> Lineage.resolve(Settings(), None).cut == POOLED, Lineage.resolve(Settings(sleep=True), None).cut
+(True, 11)
+>>> Lineage.resolve(Settings(sleep=True), None).head  # a sleep's top serves where its held-back samples show it
+'chosen'
 >>> Lineage.resolve(Settings(), scratch.identity()).backbone  # a directory made from scratch goes on from scratch
 'scratch'
 >>> old = Lineage.resolve(Settings(loss="ace"), {"ASER_METHOD": "er", "ASER_STEP": "joint", "ASER_LOSS": "ce"})
@@ -61,8 +63,11 @@ TUNED_DEFAULTS = {"er": ALL_OPTIONS, "cb-sv-duel": ALL_OPTIONS,
 # streaming LDA serves (80.0 A_T, 78.2 / 82.0 / 84.8 anytime, 5 seeds; the trained linear head 74.6), so the
 # memory-fitted logit bias, which corrects the trained head, is off.
 PRETRAINED_DEFAULTS = {"options": {**OPTIONS_OFF, "ema": 0.99, "lean_when_behind": True}, "image_size": 160,
-                       "lr": 0.01, "head": "slda", "serving_bias": False}
-SCRATCH_DEFAULTS = {"image_size": 32, "lr": 0.1, "head": "softmax", "serving_bias": True}
+                       "lr": 0.01, "head": "slda", "serving_bias": False, "cut": POOLED}
+# With ASER_SLEEP (docs/results/sleep.md): the last two stages train in sleeps, where the measured gains are, and
+# the held-back samples choose each class's head (streaming LDA until a sleep has taught the top the class)
+SLEEP_DEFAULTS = {"cut": 11, "head": "chosen"}
+SCRATCH_DEFAULTS = {"image_size": 32, "lr": 0.1, "head": "softmax", "serving_bias": True, "cut": POOLED}
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,8 @@ def _default(settings: Settings, name: str, resolved: dict) -> object:
     options = PRETRAINED_DEFAULTS["options"] if pretrained else TUNED_DEFAULTS.get(resolved["method"], OPTIONS_OFF)
     if name in options:
         return options[name]
+    if pretrained and settings.sleep and name in SLEEP_DEFAULTS:
+        return SLEEP_DEFAULTS[name]
     return (PRETRAINED_DEFAULTS if pretrained else SCRATCH_DEFAULTS)[name]
 
 
@@ -230,13 +237,17 @@ class LearnerSpec:
     trained_head_from: int | None
     head_measure: str
     head_prior: str | None
+    sleep: bool = False  # the top trains in sleeps (learner.methods.sleep) and not awake
+    sleep_epochs: float = 8.0
+    sleep_store_mb: float = 512.0
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return (3, self.lineage.image_size, self.lineage.image_size)
 
     def build(self):
-        """A new learner as this describes it (its state comes from a checkpoint, or nowhere)."""
+        """A new learner as this describes it (its state comes from a checkpoint, or nowhere). With a sleep, the
+        worker gives it its latent store on disk (`service.latent_store`) before the restore."""
         import torch
 
         from learner import make_learner
@@ -253,7 +264,15 @@ class LearnerSpec:
                             serving_head="slda" if lineage.head in ("slda", "chosen") else None,
                             trained_head_from=self.trained_head_from,
                             choose_head=self.head_measure if lineage.head == "chosen" else False,
-                            head_prior=self.head_prior)
+                            head_prior=self.head_prior, train_every=0 if self.sleep else 1,
+                            sleep=self.sleep_config())
+
+    def sleep_config(self):
+        if not self.sleep:
+            return None
+        from learner.methods.sleep import SleepConfig
+
+        return SleepConfig(epochs=self.sleep_epochs, store_capacity=1)  # the worker's store on disk replaces it
 
     def config(self) -> dict:
         """The learner's configuration as `/status` shows it."""
@@ -265,7 +284,9 @@ class LearnerSpec:
                 "head": lineage.head, **({"trained_head_from": n} if (n := self.trained_head_from) else {}),
                 **({"head_measure": self.head_measure} if lineage.head == "chosen" else {}),
                 **({"head_prior": self.head_prior} if self.head_prior else {}),
-                "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias}
+                "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias,
+                **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb}
+                   if self.sleep else {})}
 
 
 def describe_learner(settings: Settings, saved: dict[str, str] | None) -> LearnerSpec:
@@ -285,10 +306,16 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
     if settings.trained_head_from is not None and lineage.head != "slda":
         raise ValueError(f"ASER_TRAINED_HEAD_FROM hands serving from streaming LDA to the trained head, but this "
                          f"lineage serves ASER_HEAD={lineage.head}: set ASER_HEAD=slda (lite0's default) or unset it")
+    if settings.sleep and (lineage.backbone == "scratch" or lineage.head != "chosen"
+                           or settings.head_measure != "held-back"):
+        raise ValueError("ASER_SLEEP trains a pretrained top that serves where samples held back from training show "
+                         "it better: it needs ASER_BACKBONE=lite0, ASER_HEAD=chosen (its default with ASER_SLEEP) "
+                         "and ASER_HEAD_MEASURE=held-back")
     device = resolve_device(settings.device)
     return LearnerSpec(lineage, device, settings.mem_size, settings.k, settings.n_candidates, settings.per_class,
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
-                       settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head))
+                       settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head),
+                       settings.sleep, settings.sleep_epochs, settings.sleep_store_mb)
 
 
 def head_prior(settings: Settings, head: str) -> str | None:

@@ -71,6 +71,16 @@ class Metrics:
                                   registry=r)
         self.rehearsal_steps = Counter("aser_rehearsal_steps", "Replay-only steps taken while the stream was idle "
                                        "(this process)", registry=r)
+        self.sleeping = Gauge("aser_sleeping", "1 while the learner sleeps (ASER_SLEEP: the top trains over the "
+                              "latent store)", registry=r)
+        self.sleeps = Counter("aser_sleeps", "Sleeps ended, by outcome: kept (the served answer on the held-back "
+                              "samples no worse), rolled_back, or yielded (to arriving samples, its rest owed)",
+                              ["outcome"], registry=r)
+        self.sleep_updates = Counter("aser_sleep_sample_updates", "Sample-updates sleeps took (this process)",
+                                     registry=r)
+        self.sleep_cpu = Counter("aser_sleep_cpu_seconds", "CPU seconds sleeps took (this process)", registry=r)
+        self.sleep_store_samples = Gauge("aser_sleep_store_samples", "Samples the sleep's latent store holds",
+                                         registry=r)
         self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",
                                     registry=r)
         self.database_over_cap = Gauge("aser_database_over_cap", "1 while the database stays above "
@@ -95,6 +105,12 @@ class Metrics:
         self.samples_skipped.inc(samples)
         self.samples_thinned.inc(thinned)
 
+    def observe_sleep(self, report) -> None:
+        """One sleep ended (`learner.methods.sleep.SleepReport`)."""
+        self.sleeps.labels(outcome="yielded" if report.yielded else "kept" if report.kept else "rolled_back").inc()
+        self.sleep_updates.inc(report.updates)
+        self.sleep_cpu.inc(report.cpu_seconds)
+
     def observe_retention(self, run: dict) -> None:
         self.retention_pixels.inc(run["pixels_dropped"])
         self.retention_ids.inc(run["ids_dropped"])
@@ -110,6 +126,9 @@ class Metrics:
         self.database_bytes.set(status["storage"]["database_bytes"])
         self.database_over_cap.set(1 if status["storage"]["over_cap"] else 0)
         self.lag.set(status["lag"]["seconds"])
+        if sleep := status.get("sleep"):
+            self.sleeping.set(1 if sleep["state"] == "sleeping" else 0)
+            self.sleep_store_samples.set(sleep["store"]["samples"])
         online = status["online"]
         self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))
         self.online_window_accuracy.set(online["window_accuracy"] if online["window_accuracy"] is not None

@@ -45,8 +45,9 @@ class Settings(BaseSettings):
     image_size: int | None = Field(None, ge=8, le=512, description="the side every image is brought to (the one "
                                    "input rule; unset: 32 from scratch, 160 on lite0, by the rule in "
                                    "docs/results/pretrained.md)")
-    cut: int = Field(POOLED_CUT, ge=0, le=POOLED_CUT, description="lite0: the first trainable block (17: only the linear "
-                     "head trains on the pooled features; 11: the last two stages too)")
+    cut: int | None = Field(None, ge=0, le=POOLED_CUT, description="lite0: the first trainable block (17: only the "
+                            "linear head trains on the pooled features; 11: the last two stages too; unset: 17, or 11 "
+                            "with ASER_SLEEP)")
     latent_bits: int = Field(16, description="lite0: the memory's latents in fp16 (16), or 8 bits (pooled only)")
     mem_size: int = Field(1000, ge=0)
     batch_size: int = Field(10, ge=1)
@@ -148,6 +149,21 @@ class Settings(BaseSettings):
     idle_rehearsal_per_step: int = Field(0, ge=0, description="the most replay-only steps idle rehearsal takes for "
                                          "each stream step trained, the budget growing with the stream (0: no "
                                          "bound but the share); a memory replayed without end fits itself")
+
+    # sleep (learner.methods.sleep): while the device is idle, the top above the cut trains i.i.d.-style over the
+    # latents of every sample it was sent (docs/operations.md#sleep)
+    sleep: bool = Field(False, description="train the top in sleeps: after ASER_SLEEP_IDLE_S without a sample to "
+                        "train, and on POST /sleep; awake, the top does not step (streaming LDA and ASER's memory "
+                        "learn each batch), and each class is served by the head its held-back samples choose "
+                        "(unset ASER_CUT and ASER_HEAD become 11 and chosen)")
+    sleep_idle_s: float = Field(30.0, ge=0, description="with ASER_SLEEP: seconds without a sample to train before "
+                                "a sleep starts")
+    sleep_min_new: int = Field(100, ge=1, description="with ASER_SLEEP: samples new since the last sleep that an idle "
+                               "sleep waits for (POST /sleep does not)")
+    sleep_epochs: float = Field(8.0, gt=0, le=100, description="with ASER_SLEEP: a sleep's budget, sample-updates for "
+                                "each sample new since the last sleep")
+    sleep_store_mb: float = Field(512.0, gt=0, description="with ASER_SLEEP: the latent store's size on disk; when full, "
+                                  "a new sample evicts a random one of the largest class")
 
     # retention (service.retention): the ingest log's disk stays bounded for months
     retain_pixels_s: float = Field(86400.0, ge=0, description="drop the pixels of samples a checkpoint has trained "

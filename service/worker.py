@@ -39,6 +39,7 @@ from .checkpoints import CheckpointStore, VersionLease
 from .db import Database
 from .forgetting import ForgetRequests
 from .lag_bound import LagBound
+from .latent_store import DiskLatentStore, store_capacity
 from .lineage import LearnerSpec, describe_learner
 from .metrics import Metrics
 from .online import History, HistoryRecorder, OnlineAccuracy
@@ -83,6 +84,9 @@ class LearnerWorker:
                                                                    self.image_shape))  # a sample that keeps failing
         self._in_step: list[int] = []
         self.last_step_seconds = 0.0
+        self.latent_store: DiskLatentStore | None = None  # a sleep's latents, on disk (made at the first load)
+        self._sleep_asked = threading.Event()
+        self._busy_at = time.monotonic()  # when the worker last had samples to train: idle since
         self.recorder = HistoryRecorder(self.history, settings.history_every_steps)
         self.wakeup = threading.Event()
         self._stop = threading.Event()
@@ -109,6 +113,8 @@ class LearnerWorker:
         if not self._thread.is_alive() and self.consistent and self.progress() != self.checkpointing.saved_at:
             self.checkpoint()
         self.snapshots.close()
+        if self.latent_store is not None:
+            self.latent_store.close()
 
     @property
     def alive(self) -> bool:
@@ -121,7 +127,10 @@ class LearnerWorker:
         """(Re)start from the last committed checkpoint."""
         learner = self._build_learner()
         learner.warm_up()
-        self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
+        self._attach_latent_store(learner)
+        self.trained_upto, extra = self.checkpoints.restore(learner)
+        if learner.sleeper is not None and not self.trained_upto:  # a new lineage: nothing stored is its own
+            self.latent_store.truncate(0)  # the last sequence number the model has seen
         self.online = OnlineAccuracy.from_state(extra.get("online"), self.settings.online_window)
         forgotten = self.store.forgotten()
         for f in forgotten:  # a crash may have come between the forgetting and the next checkpoint
@@ -151,7 +160,8 @@ class LearnerWorker:
                 try:
                     self.forgetting.apply_pending()
                     self.schedule.serve_requests(self.learner, self.predictor)
-                    if self.train_available() or self.rehearse_if_idle() or self.correct_serving_if_idle():
+                    if (self.train_available() or self.sleep_if_due() or self.rehearse_if_idle()
+                            or self.correct_serving_if_idle()):
                         failures_in_a_row = 0
                     else:
                         self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
@@ -189,6 +199,7 @@ class LearnerWorker:
         entries = self.store.after(self.trained_upto, b)
         if not entries:
             return False
+        self._busy_at = time.monotonic()
         if self.lag.over(entries[0].received, self.learner.samples_skipped):
             self._skip_behind()
             return True
@@ -235,6 +246,58 @@ class LearnerWorker:
         self.metrics.observe_skip(len(entries), done.thinned)
         self.publish(solve=False)  # behind the bound: the next step's publication solves the streaming head
         self._checkpoint_if_due()
+
+    # --- sleep (learner.methods.sleep) ----------------------------------------------------
+    def _attach_latent_store(self, learner: ContinualLearner) -> None:
+        """A sleeping learner keeps its latents on disk, in one store for the worker's life."""
+        if learner.sleeper is None:
+            return
+        if self.latent_store is None:
+            backbone = learner.backbone
+            shape, eight_bit = backbone.stored_shape, backbone.stored_dtype == torch.uint8
+            self.latent_store = DiskLatentStore(
+                self.settings.data_dir / "latents.db", store_capacity(self.spec.sleep_store_mb, shape, eight_bit),
+                shape, eight_bit, backbone.identity(), self.spec.seed)
+        learner.sleeper.store = self.latent_store
+
+    def request_sleep(self) -> None:
+        """Sleep as soon as nothing is waiting, however little is new."""
+        self._sleep_asked.set()
+        self.wakeup.set()
+
+    def sleep_if_due(self) -> bool:
+        """With ASER_SLEEP: a sleep when asked, or once nothing has been there to train for ASER_SLEEP_IDLE_S and
+        ASER_SLEEP_MIN_NEW samples are new (or a sleep that yielded owes the rest). It yields to the next sample
+        acknowledged, a forgetting or a stop, between two of its steps. Returns whether it trained."""
+        sleeper = self.learner.sleeper
+        if sleeper is None or self.forgetting.waiting:
+            return False
+        s, asked = self.settings, self._sleep_asked.is_set()
+        idle = time.monotonic() - self._busy_at >= s.sleep_idle_s
+        if not asked and not (idle and (sleeper.new_samples >= s.sleep_min_new or sleeper.owed)):
+            return False
+        self._sleep_asked.clear()
+        self.consistent = False  # a failure or a kill mid-sleep restarts from the last checkpoint
+        self.metrics.sleeping.set(1)
+        try:
+            report = self.learner.sleep(should_yield=self._sleep_yields)
+        finally:
+            self.metrics.sleeping.set(0)
+        self.consistent = True
+        if not report.updates:
+            return False
+        self.metrics.observe_sleep(report)
+        log.info("sleep: %d sample-updates in %.1f CPU s, held-back %s -> %s, %s", report.updates,
+                 report.cpu_seconds, report.held_before, report.held_after,
+                 "yielded" if report.yielded else "kept" if report.kept else "rolled back")
+        self.publish()
+        self.checkpoint()
+        if report.kept and self.predictor.labels:  # the served model changed: replicas follow
+            self.schedule.export(self.learner, self.predictor, "sleep")
+        return True
+
+    def _sleep_yields(self) -> bool:
+        return self._stop.is_set() or self.forgetting.waiting or bool(self.store.after(self.trained_upto, 1))
 
     def rehearse_if_idle(self) -> bool:
         """While no batch is due: a replay-only step, within its share of the worker's time.

@@ -445,3 +445,9 @@ def test_status_is_never_torn_between_the_model_and_the_memory(tmp_path, jpegs):
         assert polls >= 50
     finally:
         s.stop()
+
+
+def test_a_service_without_sleep_refuses_one_and_shows_none(server):
+    r = httpx.post(f"{server.url}/sleep")
+    assert r.status_code == 409 and r.json()["error"] == "sleep_off"
+    assert status(server)["sleep"] is None

@@ -25,6 +25,8 @@ from learner.heads.streaming_lda import HEADS
 from learner.methods.base import OPTIMIZERS, SERVING_BN
 from learner.methods.objective import LOSSES, STEPS
 from learner.methods.registry import IID_EPOCHS
+from learner.methods.sleep import DRAWS as SLEEP_DRAWS
+from learner.methods.sleep import SOURCES as SLEEP_SOURCES
 from learner.networks.backbone import BACKBONES, make_backbone
 from learner.networks.lite0 import POOLED
 
@@ -73,6 +75,9 @@ def cmd_run(args) -> int:
     if args.rehearsals and (args.stream_rate or args.via or args.method in IID_EPOCHS or args.rehearsals < 0):
         print("error: --rehearsals is for in-process streams on the ordinary protocol (the real-time one has "
               "--idle-rehearsal)", file=sys.stderr)
+        return 2
+    if args.sleep_every and (args.stream_rate or args.via or args.method in IID_EPOCHS or args.sleep_every < 0):
+        print("error: --sleep-every is for in-process streams on the ordinary protocol", file=sys.stderr)
         return 2
     if args.calibrate_only:
         args.stream_rate = args.stream_rate or "1x"
@@ -260,6 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--train-every", type=int, default=1, metavar="K",
                      help="a gradient step on one incoming batch in K; the others reach the memory and a streaming "
                           "head only (a step that costs more than the device can pay on every batch)")
+    run.add_argument("--sleep-every", type=int, default=0, metavar="N",
+                     help="a sleep (learner.methods.sleep) once N samples have arrived since the last, and one when "
+                          "the stream ends (the device idle): task-free, as a service can follow it; 0: no sleep")
+    run.add_argument("--sleep-epochs", type=float, default=8.0, metavar="E",
+                     help="with --sleep-every: a sleep's sample-updates, E times the samples new since the last")
+    run.add_argument("--sleep-batch", type=int, default=32, help="with --sleep-every: a sleep step's batch")
+    run.add_argument("--sleep-lr", type=float, default=0.01, help="with --sleep-every: a sleep's SGD rate")
+    run.add_argument("--sleep-source", choices=SLEEP_SOURCES, default="store",
+                     help="with --sleep-every: what a sleep rehearses (the latent store of every sample, ASER's "
+                          "memory, or half of each)")
+    run.add_argument("--sleep-draw", choices=SLEEP_DRAWS, default="new-half",
+                     help="with --sleep-every: half of each store batch from what is new since the last sleep "
+                          "(new-half) or every batch class-balanced (balanced)")
+    run.add_argument("--sleep-store", type=int, default=100_000, metavar="N",
+                     help="with --sleep-every: the latent store's capacity in samples (class-balanced eviction)")
     run.add_argument("--standardize-features", action="store_true",
                      help="with --backbone lite0 and a cut below the pooled one: the top's head reads its pooled "
                           "features standardised by running statistics (learner.networks.backbone.RunningStandardize)")

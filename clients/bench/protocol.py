@@ -19,6 +19,7 @@ from learner.data import ImageDataset, task_batches, task_test_set
 from learner.heads.head_choice import CANDIDATES
 from learner.heads.ncm import memory_ncm
 from learner.methods.augment import AUGMENTATIONS
+from learner.methods.sleep import SleepConfig
 from learner.methods.registry import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 
 from .machine import machine_description, resolve_device
@@ -115,7 +116,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     bar = _progress(n_steps, f"{args.method} seed {seed}", progress)
     bar.update(sum(pass_steps(args, data, classes) for classes in passes[:run["done"]]))
     for classes in passes[run["done"]:]:
-        train_pass(learner, data, classes, args, stream_gen, run, bar, evaluate_each)
+        train_pass(learner, data, classes, args, stream_gen, run, bar, evaluate_each,
+                   last=run["done"] == len(passes) - 1)
         run["done"] += 1
         if run["done"] == len(passes) and not evaluate_each:
             record(evaluate(learner, data, tasks), run)
@@ -207,9 +209,38 @@ def build_learner(args, data: ImageDataset, device: torch.device, seed: int):
         latent_dtype=torch.bfloat16 if args.bf16_latent else None, compile=args.compile,
         feature_max_age=args.feature_max_age, backbone=getattr(args, "backbone_object", None),
         train_every=getattr(args, "train_every", 1), optimizer=getattr(args, "optimizer", "sgd"),
-        head_lr=getattr(args, "head_lr", None),
+        head_lr=getattr(args, "head_lr", None), sleep=sleep_config(args),
         **serving_options(args),
     )
+
+
+def sleep_config(args) -> SleepConfig | None:
+    """The sleep the run's schedule triggers (`--sleep-every`), or None."""
+    if not getattr(args, "sleep_every", 0):
+        return None
+    return SleepConfig(epochs=args.sleep_epochs, batch_size=args.sleep_batch, lr=args.sleep_lr,
+                       source=args.sleep_source, draw=args.sleep_draw, store_capacity=args.sleep_store)
+
+
+def sleep_settings(args) -> dict:
+    """What a run records of its sleep schedule (empty without one)."""
+    if not getattr(args, "sleep_every", 0):
+        return {}
+    return {"sleep": {"every": args.sleep_every, "epochs": args.sleep_epochs, "batch": args.sleep_batch,
+                      "lr": args.sleep_lr, "source": args.sleep_source, "draw": args.sleep_draw,
+                      "store": args.sleep_store}}
+
+
+def sleep_record(learner) -> dict:
+    """The sleeps a run took: their count, sample-updates and CPU, and each one's held-back answer before and after."""
+    sleeper = getattr(learner, "sleeper", None)
+    if sleeper is None:
+        return {}
+    store = sleeper.store
+    return {"sleeps": {"count": sleeper.sleeps, "updates": sleeper.updates,
+                       "cpu_seconds": round(sleeper.cpu_seconds, 2), "kept": sum(r["kept"] for r in sleeper.reports),
+                       "store_samples": len(store), "store_bytes": len(store) * store.bytes_per_sample,
+                       "each": sleeper.reports}}
 
 
 def serving_options(args) -> dict:
@@ -235,9 +266,10 @@ def pass_steps(args, data: ImageDataset, classes: list[int]) -> int:
 
 
 def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen, run: dict, bar,
-               evaluate_after: bool) -> None:
+               evaluate_after: bool, last: bool = False) -> None:
     """Observe one pass's mini-batches once each; for a task, evaluate on every task after it, and
-    on the classes seen so far once each new class has sent ANYTIME_POINTS images (`anytime`)."""
+    on the classes seen so far once each new class has sent ANYTIME_POINTS images (`anytime`). With a sleep
+    schedule, a sleep once `--sleep-every` samples are new, and after the `last` pass's stream (the device idle)."""
     one_class = args.one_class_batches and evaluate_after
     t0, cpu0 = time.perf_counter(), time.process_time()
     if evaluate_after:
@@ -252,7 +284,11 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
             anytime.after_batch(learner, y, run)
         for _ in range(getattr(args, "rehearsals", 0)):  # the idle time before the next batch arrives
             learner.rehearse()
+        if getattr(args, "sleep_every", 0) and learner.sleeper.new_samples >= args.sleep_every:
+            learner.sleep()
         bar.update(1)
+    if last and getattr(args, "sleep_every", 0) and learner.sleeper.new_samples:
+        learner.sleep()  # the stream has ended: the device is idle
     if evaluate_after:
         learner.end_task()
     probing = (anytime.wall, anytime.cpu) if anytime is not None else (0.0, 0.0)
@@ -336,6 +372,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         **backbone_record(args, data, learner),
         "steps": learner.steps,
         **({"rehearsal_steps": learner.rehearsal_steps} if learner.rehearsal_steps else {}),
+        **sleep_record(learner),
         **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
@@ -353,6 +390,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
             **({"feature_max_age": args.feature_max_age} if args.method.startswith("cb") else {}),
             **({"train_every": args.train_every} if getattr(args, "train_every", 1) != 1 else {}),
             **({"rehearsals": args.rehearsals} if getattr(args, "rehearsals", 0) else {}),
+            **sleep_settings(args),
             **({"optimizer": args.optimizer} if getattr(args, "optimizer", "sgd") != "sgd" else {}),
             **({"head_lr": args.head_lr} if getattr(args, "head_lr", None) else {}),
             **({"backbone": learner.backbone.identity()} if args.backbone != "scratch" else {}),

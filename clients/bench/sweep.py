@@ -120,6 +120,9 @@ class RunSpec:
         >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
         ...         ("cut", 11), ("serving_head", "slda"), ("rehearsals", 3))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut11-serveslda-m1000-rehearsals3-seed0.json'
+        >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
+        ...         ("cut", 11), ("train_every", 0), ("sleep_every", 2000), ("sleep_draw", "balanced"))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-every0-m1000-sleep2000x8-balanced-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -171,6 +174,14 @@ class RunSpec:
             parts.append(f"m{self.mem_size}")
         if extra.get("rehearsals"):
             parts.append(f"rehearsals{extra['rehearsals']}")
+        if extra.get("sleep_every"):  # the sleep schedule, its budget, and what differs from its defaults
+            parts.append(f"sleep{extra['sleep_every']}x{extra.get('sleep_epochs', 8):g}")
+            parts += [f"{extra[k]}" for k, d in (("sleep_source", "store"), ("sleep_draw", "new-half"))
+                      if extra.get(k, d) != d]
+            if extra.get("sleep_lr", 0.01) != 0.01:
+                parts.append(f"slr{extra['sleep_lr']:g}")
+            if extra.get("sleep_batch", 32) != 32:
+                parts.append(f"sb{extra['sleep_batch']}")
         return "-".join(parts) + f"-seed{self.seed}.json"
 
     def command(self, data: str, out: Path, threads: int, device: str, checkpoint: Path) -> list[str]:

@@ -123,6 +123,9 @@ class HeadChoice:
         self.pool_classes: list[int] | None = [] if self.held is not None else None
         # what answers a class no choice has moved: the pool as prior answers a young one as streaming LDA would
         self.unmoved = "pool" if prior == "pool" else STREAMING
+        # the classes the top has learned (None: every class seen; a top trained only by a sleep knows those it slept
+        # on): a measured class it has not learned is treated as young, and the pool does not weigh the top on it
+        self.top_classes: set[int] | None = None
 
     def head_of(self, class_id: int) -> str:
         return self.chosen.get(class_id, self.unmoved)
@@ -160,16 +163,19 @@ class HeadChoice:
         """Fit the pool and choose again on the held-back samples: each candidate's probabilities of them, and
         their labels."""
         classes, measured = probabilities["slda"].shape[1], self.held.measured()
-        self.pool_classes = measured
+        learned = measured if self.top_classes is None else [c for c in measured if c in self.top_classes]
+        self.pool_classes = learned
         self.pool = fit_pool(probabilities["slda"], probabilities["top"], labels, self.weighed(classes))
         probabilities = candidates(probabilities["slda"], probabilities["top"], self.pool_of(classes))
         stacked = stack(probabilities)
         preferred = CANDIDATES.index(self.prior) if self.prior is not None else None
         choice, barred = self.choice(classes), ()
-        if self.held.young():  # the top alone answers no class while one is young (module docstring)
+        if self.held.young() or len(learned) < len(measured):  # the top alone answers no class while one is young
             barred = (CANDIDATES.index(BLIND),)
             choice[choice == barred[0]] = CANDIDATES.index(self.unmoved)
-        choice = paired_search(stacked, labels, choice, measured, compose, preferred, barred)
+        for c in set(measured) - set(learned):  # not learned by the top: answered as a young class is
+            choice[c] = CANDIDATES.index(self.unmoved)
+        choice = paired_search(stacked, labels, choice, learned, compose, preferred, barred)
         self.chosen = {c: CANDIDATES[int(h)] for c, h in enumerate(choice) if CANDIDATES[int(h)] != self.unmoved}
         answers = {**{h: stacked[i] for i, h in enumerate(CANDIDATES)}, "served": compose(stacked, choice)}
         self.held_accuracy = {h: round(float((p.argmax(1) == labels).float().mean()), 4) for h, p in answers.items()}

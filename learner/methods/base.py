@@ -26,6 +26,7 @@ from ..memory.policy import StepContext
 from ..networks.backbone import ScratchBackbone
 from ..networks.reduced_resnet import ReducedResNet18
 from .classes import HeadClasses
+from .sleep import SleepConfig, Sleeper
 
 
 def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
@@ -52,7 +53,8 @@ class ContinualLearner(Serving, HeadClasses):
                  compile: bool = False, ema_decay: float | None = None, serving_bn: str = "average",
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
                  trained_head_from: int | None = None, choose_head: bool | str = False, head_prior: str | None = None,
-                 train_every: int = 1, optimizer: str = "sgd", head_lr: float | None = None):
+                 train_every: int = 1, optimizer: str = "sgd", head_lr: float | None = None,
+                 sleep: SleepConfig | None = None, sleep_store=None):
         self.device = torch.device(device)
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -60,10 +62,10 @@ class ContinualLearner(Serving, HeadClasses):
         # the linear head's own rate (None: `lr`): a head that starts from random rows under a pretrained top
         # may need more than the top's blocks can take
         self.head_lr = head_lr
-        if train_every < 1:
-            raise ValueError(f"train_every must be >= 1, got {train_every}")
+        if train_every < 0 or (train_every == 0 and sleep is None):
+            raise ValueError(f"train_every must be >= 1 (or 0 with a sleep, which then trains the top), got {train_every}")
         # a gradient step on one incoming batch in `train_every`: the others reach the memory and a streaming head
-        # only, for a learner whose step costs more than the device can pay on every batch
+        # only, for a learner whose step costs more than the device can pay on every batch; 0: none (a sleep trains)
         self.train_every = train_every
         self.image_shape = tuple(image_shape)
         self.lr = lr
@@ -113,6 +115,11 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("head_prior is the choice on held-back samples' prior: it needs choose_head='held-back'")
         measure = "stream" if choose_head is True else choose_head
         self.head_choice = HeadChoice(measure=measure, prior=head_prior) if choose_head else None
+        # a sleep (`learner.methods.sleep`) trains the top over the latents of every sample trained on while idle
+        self.sleeper = Sleeper(sleep, self.backbone.stored_shape, self.backbone.stored_dtype == torch.uint8, seed,
+                               sleep_store) if sleep is not None else None
+        if self.sleeper is not None and self.head_choice is not None and train_every == 0:
+            self.head_choice.top_classes = self.sleeper.top_classes  # the top knows only what a sleep taught it
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
         self._held_measured_at: int | None = None  # the weights version the held-back samples were last measured at
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
@@ -142,7 +149,7 @@ class ContinualLearner(Serving, HeadClasses):
         images, frozen = encoded if encoded is not None else self.encode_incoming(pixels)
         labels = labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        trains = self.steps % self.train_every == 0
+        trains = self.train_every > 0 and self.steps % self.train_every == 0
         if self.head_choice is not None:
             if trains:  # scored where the top steps: its forward is part of what a skipped step saves
                 self._score_heads(images, frozen, labels)
@@ -152,6 +159,7 @@ class ContinualLearner(Serving, HeadClasses):
                     self.steps += 1
                     return {}
         self._update_stream_head(frozen, labels)
+        self._keep_for_sleep(images, labels)
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             if not trains:
                 self._pass_through(images, labels, lean)
@@ -226,6 +234,20 @@ class ContinualLearner(Serving, HeadClasses):
         if self.stream_head is not None:
             self.stream_head.update(frozen, labels)
 
+    def _keep_for_sleep(self, stored: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.sleeper is not None:
+            self.sleeper.store.add(stored, labels)
+
+    def sleep(self, budget: int | None = None, should_yield=None):
+        """Train the top over what the device holds (`learner.methods.sleep`): `budget` sample-updates (by default
+        the sleep's epochs times the samples new since the last, plus what a yielded one owes); a `SleepReport`."""
+        if self.sleeper is None:
+            raise ValueError("this learner has no sleep: build it with sleep=SleepConfig(...)")
+        report = self.sleeper.run(self, budget, should_yield)
+        if self.head_choice is not None and self.train_every == 0:
+            self.head_choice.top_classes = self.sleeper.top_classes
+        return report
+
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
 
@@ -243,6 +265,7 @@ class ContinualLearner(Serving, HeadClasses):
         (images, frozen), labels = self.encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         self._update_stream_head(frozen, labels)
+        self._keep_for_sleep(images, labels)
         step = batch_size or labels.numel()
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             for i in range(0, labels.numel(), step):
@@ -383,6 +406,7 @@ class ContinualLearner(Serving, HeadClasses):
             # the head as solved last: a resumed learner answers as the one that went on
             **({"solved_head": {"counts": self._solved[0], **asdict(self._solved[1])}} if self._solved else {}),
             **({"head_choice": self.head_choice.state_dict()} if self.head_choice is not None else {}),
+            **({"sleeper": self.sleeper.state_dict()} if self.sleeper is not None else {}),
             # plain SGD keeps no state; Adam's moments go on where the learner resumes
             **({"optimizer": {"kind": self.optimizer_name, "state": self.optimizer.state_dict()}}
                if self.optimizer_name != "sgd" else {}),
@@ -412,6 +436,10 @@ class ContinualLearner(Serving, HeadClasses):
             self.stream_head.load_state_dict(state["stream_head"])
         if self.head_choice is not None and "head_choice" in state:
             self.head_choice.load_state_dict(state["head_choice"])
+        if self.sleeper is not None and "sleeper" in state:
+            self.sleeper.load_state_dict(state["sleeper"])
+            if self.head_choice is not None and self.train_every == 0:
+                self.head_choice.top_classes = self.sleeper.top_classes
         solved = state.get("solved_head")
         self._solved = (solved["counts"], LinearHead(solved["class_ids"], solved["weight"], solved["bias"])) \
             if solved and self.stream_head is not None else None

@@ -28,6 +28,7 @@ DOMAIN_STATUS = {
     errors.SampleIdConflict: 409,
     errors.NotFound: 404,
     errors.NoClassesYet: 409,
+    errors.SleepOff: 409,
     errors.SnapshotFailed: 503,
     errors.Unavailable: 503,
     errors.StorageFull: 507,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import shutil
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from ..errors import SleepOff
 from ..online import HistoryPoint
 from ..retention import database_bytes
 from ..runtime import Runtime
@@ -83,6 +84,32 @@ class Storage(BaseModel):
                            "nothing trained was left to drop (the cap is soft: ingest goes on)")
 
 
+class SleepStore(BaseModel):
+    samples: int = Field(description="samples whose latents the store holds (8 bits, a scale a channel)")
+    capacity: int = Field(description="the most it holds (ASER_SLEEP_STORE_MB); then a new sample evicts a random "
+                          "one of the largest class")
+    disk_bytes: int
+    write_failures: int = Field(description="steps whose latents a full disk refused (the step itself went on)")
+    per_class: dict[str, int]
+
+
+class SleepStatus(BaseModel):
+    state: Literal["awake", "sleeping"]
+    progress: dict[str, int] | None = Field(description="the sleep in progress: sample-updates taken and its budget")
+    new_samples: int = Field(description="samples trained on since the last sleep began (an idle sleep waits for "
+                             "ASER_SLEEP_MIN_NEW)")
+    owed: int = Field(description="sample-updates a sleep that yielded to arriving samples left for the next")
+    sleeps: int = Field(description="sleeps in the lineage")
+    sample_updates: int
+    cpu_seconds: float
+    top_classes: list[str] = Field(description="classes the sleeps have taught the top (the others are answered by "
+                                   "streaming LDA)")
+    last: dict | None = Field(description="the last sleep: budget, updates, steps, cpu_seconds, held_before and "
+                              "held_after (the served answer's accuracy on the held-back samples), kept (false: "
+                              "worse on them, rolled back), yielded, classes")
+    store: SleepStore
+
+
 class Status(BaseModel):
     samples_received: int = Field(description="samples acknowledged since the log began")
     samples_trained: int = Field(description="samples in the model's lineage")
@@ -116,7 +143,14 @@ class Status(BaseModel):
     device: str
     lag: Lag
     storage: Storage
+    sleep: SleepStatus | None = Field(None, description="with ASER_SLEEP: the top's training while the device is idle")
     uptime_s: float
+
+
+class SleepRequested(BaseModel):
+    requested: bool
+    budget: int = Field(description="sample-updates the sleep will take at most, as things stand")
+    new_samples: int
 
 
 def labelled_choice(summary: dict, classes: list[str | None]) -> dict:
@@ -166,8 +200,27 @@ def status(rt: Runtime) -> dict:
                 "samples_thinned": p.samples_thinned, "rehearsal_steps": p.rehearsal_steps,
                 "lean_when_behind": worker.lag.lean_when_behind, "lean_steps": p.lean_steps},
         "storage": storage(rt),
+        "sleep": sleep_status(worker, classes),
         "uptime_s": round(time.time() - rt.started, 1),
     }
+
+
+def sleep_status(worker, classes: list[str | None]) -> dict | None:
+    sleeper, store = worker.learner.sleeper, worker.latent_store
+    if sleeper is None or store is None:
+        return None
+    current = sleeper.current
+    labels = {c: classes[c] for c in range(len(classes)) if classes[c] is not None}
+    last = sleeper.last
+    return {"state": "awake" if current is None else "sleeping",
+            "progress": None if current is None else {"updates": current.updates, "budget": current.budget},
+            "new_samples": sleeper.new_samples, "owed": sleeper.owed, "sleeps": sleeper.sleeps,
+            "sample_updates": sleeper.updates, "cpu_seconds": round(sleeper.cpu_seconds, 2),
+            "top_classes": [labels[c] for c in sorted(sleeper.top_classes) if c in labels],
+            "last": None if last is None else {**last, "classes": [labels[c] for c in last["classes"] if c in labels]},
+            "store": {"samples": len(store), "capacity": store.capacity, "disk_bytes": store.disk_bytes,
+                      "write_failures": store.write_failures,
+                      "per_class": {labels[c]: n for c, n in store.class_counts().items() if c in labels}}}
 
 
 def storage(rt: Runtime) -> dict:
@@ -198,6 +251,19 @@ def router(settings: Settings) -> APIRouter:
         st = await run_in_threadpool(status, rt)
         rt.metrics.observe_status(st)
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.post("/sleep", status_code=202, response_model=SleepRequested, dependencies=[require(settings, "admin")],
+              responses=error_responses(401, 403, 409))
+    async def sleep(request: Request):
+        """Sleep now (ASER_SLEEP): as soon as no sample waits, the top trains over the latent store for its budget
+        (ASER_SLEEP_EPOCHS times the samples new since the last sleep, and what a yielded one owes), yielding to
+        samples that arrive. /status's `sleep` follows it."""
+        worker = request.app.state.runtime.worker
+        if worker.learner.sleeper is None:
+            raise SleepOff("this service does not sleep: start it with ASER_SLEEP=true")
+        worker.request_sleep()
+        sleeper = worker.learner.sleeper
+        return {"requested": True, "budget": sleeper.budget(), "new_samples": sleeper.new_samples}
 
     @api.get("/history", response_model=list[HistoryPoint], dependencies=[require(settings, "read")],
              responses=error_responses(401, 403, 422))

@@ -34,7 +34,7 @@ class Snapshot(BaseModel):
     samples_trained: int
     classes: list[str]
     size_bytes: int
-    reason: Literal["request", "periodic", "new classes"]
+    reason: Literal["request", "periodic", "new classes", "sleep"]
     int8: Int8Variant | None = Field(None, description="its int8 variant (ASER_SNAPSHOT_INT8), where kept")
 
 

@@ -176,6 +176,28 @@ function servingHead(st) {
     `<td>${pct(c.top)}</td><td>${pct(c.mix)}</td><td>${pct(c.pool)}</td></tr>`).join("");
 }
 
+function sleepCard(st) {
+  // ASER_SLEEP: awake or asleep, the sleep in progress, the last one's held-back accuracy before and after
+  const sleep = st.sleep, pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
+  $("sleep-card").hidden = !sleep;
+  if (!sleep) return;
+  const last = sleep.last;
+  const rows = [
+    ["state", sleep.state === "sleeping"
+      ? `sleeping: ${sleep.progress.updates} of ${sleep.progress.budget} sample-updates` : "awake"],
+    ["new since the last sleep", `${sleep.new_samples} samples` + (sleep.owed ? ` (${sleep.owed} updates owed)` : "")],
+    ["sleeps", `${sleep.sleeps}: ${sleep.sample_updates} sample-updates, ${sleep.cpu_seconds.toFixed(0)} CPU s`],
+    ["last sleep", !last ? "none yet" : `held-back ${pct(last.held_before)} → ${pct(last.held_after)}, ` +
+      (last.yielded ? "yielded, " : "") + (last.kept ? "kept" : "rolled back") +
+      `, ${last.updates} updates in ${last.cpu_seconds.toFixed(1)} CPU s`],
+    ["taught the top", sleep.top_classes.length ? sleep.top_classes.map(esc).join(", ") : "no class yet"],
+    ["latent store", `${sleep.store.samples} of ${sleep.store.capacity} samples, ` +
+      `${(sleep.store.disk_bytes / 2 ** 20).toFixed(1)} MB`],
+  ];
+  $("sleep").innerHTML = `<table data-state="${sleep.state}">` +
+    rows.map(([k, v]) => `<tr><th>${k}</th><td>${v}</td></tr>`).join("") + "</table>";
+}
+
 async function imageURL(path) {
   return URL.createObjectURL(await (await call(path)).blob());
 }
@@ -244,6 +266,7 @@ async function refresh() {
     counters(st);
     memoryBars(st);
     servingHead(st);
+    sleepCard(st);
     state.now = { at: Date.now() / 1000, received: st.samples_received, samples_trained: st.samples_trained,
                   backlog: st.backlog };
     state.origin ??= state.now;  // the first moment this page saw

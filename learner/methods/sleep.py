@@ -1,0 +1,227 @@
+"""Sleep: the top trained i.i.d.-style over what the device holds, while it is idle.
+
+The wake phase stays what it is (streaming LDA on the frozen features, ASER's memory update, and a step of the top
+on one batch in `train_every`, or none with 0); a sleep (SIESTA, Harun et al. 2023) takes `budget` sample-updates
+of plain SGD on class-balanced mini-batches drawn from a `source`:
+
+- "store": the latent store (`learner.memory.latent_store`), every trained sample's latent in 8 bits;
+- "memory": ASER's memory, the M samples its values kept;
+- "both": each batch half from each.
+
+`draw` "new-half" takes half of each store batch from the samples that arrived since the last sleep (what is new
+gets its epochs, as REMIND mixes new and old), the other half class-balanced over everything; "balanced" draws every
+batch class-balanced. The budget of a sleep is `epochs` times the samples new since the last one (the whole
+stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is warm-started from the
+current top and ends, under a choice on held-back samples (`learner.heads.held_back`), with the heads chosen again;
+it keeps its weights unless the held-back samples show the served answer worse than before by a paired sign test
+(`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield` is asked between steps: a sleep that yields keeps
+what it trained and owes the rest of its budget to the next.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from ..heads.held_back import MIN_LEAD, Z
+from ..memory.latent_store import LatentStore
+
+SOURCES = ("store", "memory", "both")
+DRAWS = ("balanced", "new-half")
+
+
+@dataclass
+class SleepConfig:
+    epochs: float = 8.0  # sample-updates a sleep for each sample new since the last
+    batch_size: int = 32
+    lr: float = 0.01
+    source: str = "store"
+    draw: str = "new-half"
+    store_capacity: int = 100_000  # samples
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown sleep source {self.source!r}; choose one of {', '.join(SOURCES)}")
+        if self.draw not in DRAWS:
+            raise ValueError(f"unknown sleep draw {self.draw!r}; choose one of {', '.join(DRAWS)}")
+        if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0 or self.store_capacity < 1:
+            raise ValueError("a sleep needs epochs > 0, a batch of at least 1, a rate > 0 and a store of 1 or more")
+
+
+@dataclass
+class SleepReport:
+    budget: int  # sample-updates this sleep was given
+    updates: int = 0  # taken
+    steps: int = 0
+    cpu_seconds: float = 0.0
+    held_before: float | None = None  # the served answer's accuracy on the held-back samples
+    held_after: float | None = None
+    kept: bool = True  # False: worse on the held-back samples, rolled back
+    yielded: bool = False
+    classes: list[int] = field(default_factory=list)  # what it rehearsed
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+class Sleeper:
+    """A learner's sleep: the store it rehearses, the schedule's count of what is new, and what it has run."""
+
+    def __init__(self, config: SleepConfig, stored_shape: tuple[int, ...], eight_bit: bool, seed: int = 0,
+                 store: LatentStore | None = None):
+        self.config = config
+        # the latents in memory, or a store that keeps them elsewhere (the service's, on disk)
+        self.store = store if store is not None else LatentStore(config.store_capacity, stored_shape, eight_bit, seed)
+        self.generator = torch.Generator().manual_seed(seed + 7)
+        self.mark = 0  # the store's arrivals when the last sleep began
+        self.owed = 0  # sample-updates a yielded sleep left
+        self.top_classes: set[int] = set()  # classes a kept sleep has trained the top on
+        self.sleeps, self.updates, self.cpu_seconds = 0, 0, 0.0
+        self.reports: list[dict] = []  # every sleep's report, as a dict
+        self.current: SleepReport | None = None  # the sleep in progress (its updates so far), for a reader
+
+    @property
+    def last(self) -> dict | None:
+        return self.reports[-1] if self.reports else None
+
+    @property
+    def new_samples(self) -> int:
+        return self.store.arrived - self.mark
+
+    def budget(self) -> int:
+        return int(round(self.config.epochs * self.new_samples)) + self.owed
+
+    def run(self, learner, budget: int | None = None, should_yield=None) -> SleepReport:
+        budget = self.budget() if budget is None else budget
+        report = SleepReport(budget=budget, classes=sorted(self.store.class_counts()))
+        new = self.store.arrived_after(self.mark)
+        self.mark, self.owed = self.store.arrived, 0
+        if not len(self.store) or budget <= 0:
+            return report
+        if should_yield is not None and should_yield():  # owed whole, nothing measured
+            report.yielded, self.owed = True, budget
+            return report
+        self.current = report
+        try:
+            self._train(learner, report, new, should_yield)
+        finally:
+            self.current = None
+        self.sleeps += 1
+        self.updates += report.updates
+        self.cpu_seconds += report.cpu_seconds
+        self.reports.append(report.as_dict())
+        return report
+
+    def _train(self, learner, report: SleepReport, new: torch.Tensor, should_yield) -> None:
+        cpu0 = time.process_time()
+        budget = report.budget
+        right_before = _served_right_on_held(learner)
+        saved = _serving_state(learner)
+        optimizer = torch.optim.SGD(learner.model.parameters(), lr=self.config.lr)
+        learner.model.train()
+        while report.updates < budget:
+            if should_yield is not None and should_yield():
+                report.yielded, self.owed = True, budget - report.updates
+                break
+            x, y = self._draw(learner, min(self.config.batch_size, budget - report.updates), new)
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(learner.forward_logits(x), y).backward()
+            optimizer.step()
+            learner.weights_changed()
+            if learner.forgotten:
+                learner._silence_forgotten()
+            report.updates += len(y)
+            report.steps += 1
+        learner.rehearsal_steps += report.steps
+        right_after = _served_right_on_held(learner, top_classes=self.top_classes | set(report.classes))
+        if right_before is not None and right_after is not None:
+            report.held_before, report.held_after = (round(float(r.float().mean()), 4) for r in (right_before, right_after))
+        if right_before is not None and right_after is not None and shown_worse(right_before, right_after):
+            _restore_serving(learner, saved)
+            report.kept = False
+        else:
+            self.top_classes |= set(report.classes)
+        report.cpu_seconds = time.process_time() - cpu0
+
+    def _draw(self, learner, n: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        source = self.config.source
+        from_memory = n if source == "memory" else n // 2 if source == "both" else 0
+        parts = []
+        if from_memory and len(learner.buffer):
+            slots = torch.randint(len(learner.buffer), (from_memory,), generator=self.generator).to(learner.device)
+            parts.append((learner.buffer.images[slots], learner.buffer.labels[slots]))
+        rest = n - sum(len(p[1]) for p in parts)
+        if rest:
+            half = rest // 2 if self.config.draw == "new-half" and bool(new.any()) else 0
+            slots = torch.cat([self.store.draw_balanced(half, self.generator, among=new),
+                               self.store.draw_balanced(rest - half, self.generator)])
+            latents, labels = self.store.read(slots)
+            parts.append((latents.to(learner.device, learner.backbone.stored_dtype), labels.to(learner.device)))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def forget(self, class_id: int) -> None:
+        self.store.forget_class(class_id)
+        self.top_classes.discard(class_id)
+
+    def state_dict(self) -> dict:
+        return {"store": self.store.state_dict(), "generator": self.generator.get_state(), "mark": self.mark,
+                "owed": self.owed, "top_classes": sorted(self.top_classes), "sleeps": self.sleeps,
+                "updates": self.updates, "cpu_seconds": self.cpu_seconds, "reports": list(self.reports)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.store.load_state_dict(state["store"])
+        self.generator.set_state(state["generator"])
+        self.mark, self.owed = state["mark"], state["owed"]
+        self.top_classes = set(state["top_classes"])
+        self.sleeps, self.updates, self.cpu_seconds = state["sleeps"], state["updates"], state["cpu_seconds"]
+        self.reports = list(state["reports"])
+
+
+def shown_worse(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether the held-back samples show the answer after worse than before (which of them each got right): the
+    samples it turned wrong outnumber those it turned right by Z standard deviations of a sign test (and by
+    MIN_LEAD), the head choice's rule (`learner.heads.held_back`). Within that, the samples cannot tell.
+
+    >>> right = torch.ones(40, dtype=torch.bool)
+    >>> shown_worse(right, torch.cat([torch.zeros(1, dtype=torch.bool), right[1:]]))  # one sample in 40: noise
+    False
+    >>> shown_worse(right, torch.cat([torch.zeros(8, dtype=torch.bool), right[8:]]))
+    True
+    """
+    losses, wins = int((before & ~after).sum()), int((after & ~before).sum())
+    return losses - wins >= max(MIN_LEAD, Z * math.sqrt(losses + wins))
+
+
+def _served_right_on_held(learner, top_classes: set[int] | None = None) -> torch.Tensor | None:
+    """Which held-back samples the served answer gets right, the heads chosen on them first (None without any)."""
+    choice = learner.head_choice
+    if choice is None or choice.held is None or not choice.held.measured():
+        return None
+    if top_classes is not None and choice.top_classes is not None:  # a top trained only by sleeps
+        choice.top_classes = top_classes
+    learner._held_measured_at = None  # held samples may have come since the last measure, at the same weights
+    learner.measure_held()
+    stored, features, labels = choice.held.stacked()
+    served = choice.compose(learner.head_probabilities(stored.to(learner.device), features))
+    return served.argmax(1) == labels
+
+
+def _serving_state(learner) -> dict:
+    return {"model": copy.deepcopy(learner.model.state_dict()),
+            "ema": copy.deepcopy(learner.ema.state_dict()) if learner.ema is not None else None,
+            "head_choice": copy.deepcopy(learner.head_choice.state_dict()) if learner.head_choice else None}
+
+
+def _restore_serving(learner, saved: dict) -> None:
+    learner.model.load_state_dict(saved["model"])
+    if learner.ema is not None:
+        learner.ema.load_state_dict(saved["ema"], learner.model)
+    if learner.head_choice is not None:
+        learner.head_choice.load_state_dict(saved["head_choice"])
+    learner.rename_weights()
+    learner._held_measured_at = learner.version  # the restored choice was measured on these weights

@@ -1,0 +1,220 @@
+"""Sleep (learner.methods.sleep): the top trained over the latents of every sample while the device is idle. In
+process on a slice of Split EuroSAT, then through a real service: a sleep raises the held-back accuracy, ingest
+preempts it, a SIGKILL mid-sleep loses nothing."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import httpx
+import pytest
+import torch
+
+from clients.bench.local_service import real_jpegs
+
+from .conftest import EUROSAT_ZIP
+from .test_service import Server, status
+
+CLASSES = ["AnnualCrop", "Forest", "Highway", "SeaLake"]
+
+
+@pytest.fixture(scope="module")
+def eurosat_latents(cache_dir):
+    """4 classes of Split EuroSAT, 120 training and 40 test tiles each, as cut-11 latents at 64 px."""
+    from learner.data import load_dataset
+    from learner.networks.backbone import make_backbone
+
+    from clients.bench.latents import encoded_dataset
+
+    data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=120, test_per_class=40, cache_dir=cache_dir)
+    backbone = make_backbone("lite0", data.image_shape, 64, 11, 16)
+    return encoded_dataset(data, backbone, cache_dir), backbone
+
+
+def sleeping_learner(backbone, train_every: int = 0, **sleep):
+    from learner import make_learner
+    from learner.methods.sleep import SleepConfig
+
+    return make_learner("cb-sv-duel", 4, mem_size=100, loss="ace", lr=0.01, ema_decay=0.99, backbone=backbone,
+                        serving_head="slda", choose_head="held-back", head_prior="pool", train_every=train_every,
+                        sleep=SleepConfig(**sleep), seed=0)
+
+
+def stream(learner, data, classes=(0, 1, 2, 3)):
+    from learner.data import task_batches
+
+    for x, y in task_batches(data, list(classes), 10, torch.Generator().manual_seed(0)):
+        learner.observe(x, y)
+
+
+@pytest.fixture(scope="module")
+def streamed(eurosat_latents) -> dict:
+    """A sleeping learner's state after the 4 classes' stream, awake all along."""
+    learner = sleeping_learner(eurosat_latents[1])
+    stream(learner, eurosat_latents[0])
+    return learner.state_dict()
+
+
+def after_the_stream(backbone, streamed: dict, **sleep):
+    learner = sleeping_learner(backbone, **sleep)
+    learner.load_state_dict(streamed)
+    return learner
+
+
+def top_accuracy(learner, data) -> float:
+    keep = data.test_y < 4
+    probabilities = learner.candidate_probabilities(data.test_x[keep])
+    return float((probabilities["top"].argmax(1) == data.test_y[keep]).float().mean())
+
+
+def test_a_sleep_teaches_the_top_what_the_store_holds_and_keeps_what_the_held_back_samples_allow(eurosat_latents,
+                                                                                                  streamed):
+    data, backbone = eurosat_latents
+    assert streamed["steps"] == 48 and streamed["version"] == 0  # awake, the top never stepped
+    learner = after_the_stream(backbone, streamed, epochs=3)
+    held = len(learner.head_choice.held)
+    assert len(learner.sleeper.store) == 480 - held and learner.sleeper.new_samples == 480 - held
+    assert learner.head_choice.top_classes == set()  # so no class is the top's yet
+    before = top_accuracy(learner, data)
+    report = learner.sleep()
+    assert report.budget == 3 * (480 - held) and report.updates == report.budget and report.kept
+    assert report.held_after >= report.held_before - 0.05 and report.classes == [0, 1, 2, 3]
+    after = top_accuracy(learner, data)
+    assert before < 0.5 < 0.8 < after, (before, after)  # a random head, then a top trained on every class
+    assert learner.head_choice.top_classes == {0, 1, 2, 3} and learner.sleeper.new_samples == 0
+    assert learner.sleep().updates == 0  # nothing new: nothing to do
+
+
+def test_a_sleep_that_wrecks_the_top_never_serves_worse_on_the_held_back_samples(eurosat_latents, streamed):
+    from learner.methods.sleep import _served_right_on_held, shown_worse
+
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=2)
+    assert learner.sleep().kept
+    top_before = learner.head_choice.held_accuracy["top"]
+    right_before = _served_right_on_held(learner)
+    weights = {k: v.clone() for k, v in learner.ema.model.state_dict().items()}
+    learner.sleeper.config.lr = 50.0  # a rate that wrecks the top
+    report = learner.sleep(budget=320)
+    right_after = _served_right_on_held(learner)
+    assert not shown_worse(right_before, right_after)  # the promise, whichever way it was kept
+    if report.kept:  # the choice moved the classes off the wrecked top
+        assert learner.head_choice.held_accuracy["top"] < top_before - 0.2
+    else:  # or the weights it replaced came back
+        assert all(torch.equal(v, learner.ema.model.state_dict()[k]) for k, v in weights.items())
+
+
+def test_a_yielded_sleep_owes_the_rest_and_a_state_round_trip_goes_on_alike(eurosat_latents, streamed):
+    backbone = eurosat_latents[1]
+    learner = after_the_stream(backbone, streamed, epochs=1)
+    asked = iter([False, False, False, True])  # asked before the sleep, then before each step
+    report = learner.sleep(should_yield=lambda: next(asked, True))
+    assert report.yielded and report.steps == 2 and learner.sleeper.owed == report.budget - report.updates
+    twin = sleeping_learner(backbone, epochs=1)
+    twin.load_state_dict(learner.state_dict())
+    assert len(twin.sleeper.store) == len(learner.sleeper.store) and twin.sleeper.owed == learner.sleeper.owed
+    a, b = learner.sleep(), twin.sleep()
+    assert a.updates == b.updates == learner.sleeper.reports[0]["budget"] - 2 * 32
+    assert all(torch.equal(v, twin.model.state_dict()[k]) for k, v in learner.model.state_dict().items())
+
+
+def test_forgetting_a_class_empties_its_latents(eurosat_latents, streamed):
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=1)
+    learner.forget_class(2)
+    assert 2 not in learner.sleeper.store.class_counts() and len(learner.sleeper.store.class_counts()) == 3
+    assert 2 not in learner.sleep(budget=64).classes
+
+
+# --- through the service -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiles():
+    return real_jpegs(EUROSAT_ZIP, 560, classes=CLASSES)
+
+
+def send(server, pairs) -> None:
+    for i in range(0, len(pairs), 60):
+        body = {"samples": [{"label": label, "image": base64.b64encode(jpeg).decode()} for label, jpeg in pairs[i:i + 60]]}
+        r = httpx.post(f"{server.url}/samples", json=body)
+        assert r.status_code == 201, r.text
+
+
+def wait_for(server, check, what: str, timeout: float = 600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = status(server)
+        if check(st):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout} s; last status {status(server)['sleep']}")
+
+
+def dashboard_shows_the_sleep(server, held_after: float) -> None:
+    """The dashboard's sleep card, in a real browser: awake, one sleep kept, the held-back accuracy it reached."""
+    from selenium.webdriver.common.by import By
+
+    from .test_dashboard import chromium, wait
+
+    browser = chromium()
+    try:
+        browser.get(server.url + "/")
+        card = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#sleep table[data-state='awake']"))
+        text = card.text
+        assert "kept" in text and f"{100 * held_after:.1f} %" in text and "sleeps 1:" in text, text
+        assert all(label in text for label in CLASSES)  # the top has been taught every class
+    finally:
+        browser.quit()
+
+
+def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_path, tiles):
+    server = Server(tmp_path / "svc", backbone="lite0", image_size=64, sleep="true", sleep_idle_s=3600,
+                    mem_size=100, max_batch_wait_s=0.2).start()
+    try:
+        r = httpx.post(f"{server.url}/sleep")
+        assert r.status_code == 202 and r.json()["new_samples"] == 0
+        send(server, tiles[:480])
+        st = wait_for(server, lambda s: s["samples_trained"] == 480, "train the first 480")
+        assert st["sleep"]["state"] == "awake" and st["sleep"]["sleeps"] == 0 and st["steps"] == 48
+        assert st["sleep"]["store"]["samples"] == 480 - st["head_choice"]["held_back"]["samples"]
+        top_before = st["head_choice"]["held_back"]["accuracy"].get("top", 0.0)
+
+        r = httpx.post(f"{server.url}/sleep")
+        assert r.status_code == 202 and r.json()["budget"] == 8 * st["sleep"]["new_samples"]
+        st = wait_for(server, lambda s: s["sleep"]["sleeps"] == 1, "one sleep")
+        last, held = st["sleep"]["last"], st["head_choice"]["held_back"]["accuracy"]
+        assert last["updates"] == last["budget"] and last["kept"] and not last["yielded"]
+        assert last["held_after"] >= last["held_before"] and held["served"] == last["held_after"]
+        assert held["top"] > max(top_before, 0.8), (top_before, held)  # the sleep taught the top every class
+        assert sorted(st["sleep"]["top_classes"]) == sorted(CLASSES)
+        deadline = time.time() + 300  # the export runs beside the worker
+        while not (after := [x for x in httpx.get(f"{server.url}/snapshots").json()["snapshots"]
+                             if x["reason"] == "sleep"]) and time.time() < deadline:
+            time.sleep(0.5)
+        assert after and after[-1]["model_version"] == st["model_version"]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'aser_sleeps_total{outcome="kept"} 1.0' in metrics and "aser_sleeping 0.0" in metrics
+        dashboard_shows_the_sleep(server, held["served"])
+
+        # ingest preempts a sleep: what arrives is acknowledged and trained, the sleep owes the rest
+        send(server, tiles[480:520])  # new samples, so that the next sleep has a budget
+        wait_for(server, lambda s: s["samples_trained"] == 520, "train 40 more")
+        httpx.post(f"{server.url}/sleep")
+        wait_for(server, lambda s: s["sleep"]["state"] == "sleeping", "a second sleep starts")
+        send(server, tiles[520:540])
+        st = wait_for(server, lambda s: s["samples_trained"] == 540, "ingest during a sleep trained")
+        assert st["sleep"]["last"]["yielded"] and st["sleep"]["owed"] > 0
+
+        # a SIGKILL mid-sleep: nothing acknowledged is lost, the store is whole, the sleep starts again
+        httpx.post(f"{server.url}/sleep")
+        wait_for(server, lambda s: s["sleep"]["state"] == "sleeping", "a third sleep starts")
+        stored = status(server)["sleep"]["store"]["samples"]
+        server.kill()
+        server.start()
+        assert status(server)["samples_received"] == 540
+        st = wait_for(server, lambda s: s["samples_trained"] == 540, "retrain after the kill")
+        assert st["sleep"]["store"]["samples"] == stored  # rows past the checkpoint dropped, then stored again
+        httpx.post(f"{server.url}/sleep")
+        st = wait_for(server, lambda s: s["sleep"]["owed"] == 0 and s["sleep"]["state"] == "awake"
+                      and s["sleep"]["new_samples"] == 0, "the sleep done after the restart")
+        assert st["samples_trained"] == 540 and st["backlog"] == 0
+    finally:
+        server.stop()
