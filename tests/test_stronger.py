@@ -394,8 +394,12 @@ def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
         assert httpx.post(f"{server.url}/samples", json=body).status_code == 201
         wait_trained(server, len(samples))
         probe = [img for _, img in two_classes(40)[-20:]]
-        served = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in probe], "k": 2}).json()
-        snap = httpx.post(f"{server.url}/snapshots").json()
+        for _ in range(5):  # compared at one model version: an idle correction may publish between the two calls
+            served = httpx.post(f"{server.url}/predict", json={"images": [b64(i) for i in probe], "k": 2}).json()
+            snap = httpx.post(f"{server.url}/snapshots").json()
+            if snap["model_version"] == served["model_version"]:
+                break
+        assert snap["model_version"] == served["model_version"]
         onnx = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{snap['id']}").content)
         config = httpx.get(f"{server.url}/status").json()["config"]
         assert onnx.metadata["head"] == config["head"] == options.get("head", "softmax")
@@ -404,8 +408,13 @@ def test_the_service_and_its_snapshot_answer_alike(tmp_path, options):
         assert config["augment"] is True and config["iterations"] == 2 and config["mem_size"] == 50
         assert config["replay_batch"] == 10  # unset, on a CPU (20 on a GPU: tests/test_gpu.py)
         for ours, theirs in zip(onnx.predict([io.BytesIO(i) for i in probe], k=2), served["results"]):
-            assert [t["label"] for t in ours] == [t["label"] for t in theirs]
-            assert np.allclose([t["probability"] for t in ours], [t["probability"] for t in theirs], atol=1e-4)
+            mine, served_p = ({t["label"]: t["probability"] for t in answer} for answer in (ours, theirs))
+            assert mine.keys() == served_p.keys()
+            assert np.allclose([mine[label] for label in served_p], list(served_p.values()), atol=1e-4)
+            # the order is the answer's wherever the two probabilities are apart by more than the runtimes' gap;
+            # two classes within it (a tie, in float32 on two runtimes) may come in either order
+            if abs(theirs[0]["probability"] - theirs[1]["probability"]) > 2e-4:
+                assert [t["label"] for t in ours] == [t["label"] for t in theirs]
     finally:
         server.stop()
 
