@@ -1,0 +1,140 @@
+"""What a sleep (ASER_SLEEP) costs the awake service: ingest, predictions, memory and the lag bound.
+
+On camera-sized JPEGs of real photos (`clients.bench.service_cost.camera_photos`), fresh services:
+1. ingest awake: the same photos into the default and into a sleeping service (ASER_SLEEP, no idle sleep during it):
+   CPU milliseconds a trained photo, photos a second, the learner's peak RSS;
+2. /predict of one photo on the sleeping service, idle, then while it sleeps (POST /sleep over those photos): p50 and
+   p99, the learner's peak RSS during the sleep, the sleep's CPU and updates;
+3. a stream of CIFAR-10 JPEGs at --rate samples a second (ASER_MAX_LAG_S=6) that starts while a sleep is under way: the
+   largest lag /status showed, how long the sleep took to yield, and what was trained.
+
+    python -m clients.bench.sleep_cost --out results/speed/sleep-cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..api import ServiceClient
+from .local_service import LocalService, real_jpegs
+from .machine import machine_description
+from .results import write_result
+from .service_cost import ProcessWatch, camera_photos, ingest, latencies, wait_trained
+
+AWAKE = {"ASER_SLEEP_IDLE_S": "86400"}  # no idle sleep: sleeps come when asked
+
+
+def wait_state(client: ServiceClient, state: str, timeout: float = 600) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        sleep = client.status()["sleep"]
+        if sleep["state"] == state:
+            return sleep
+        time.sleep(0.1)
+    raise TimeoutError(f"the service was not {state} within {timeout} s")
+
+
+def predictions_during_a_sleep(service: LocalService, blobs: list[bytes], n: int) -> dict:
+    """POST /sleep, then one-photo predictions until the sleep ends (at most n); the learner's peak RSS meanwhile."""
+    with ServiceClient(service.url, timeout=300) as client, ProcessWatch(service.proc.pid) as watch:
+        client.http.post("/sleep").raise_for_status()
+        wait_state(client, "sleeping")
+        during = latencies(service.url, blobs, n, 1)
+        sleep = wait_state(client, "awake", timeout=3600)
+    return {"predict_during_sleep": during, "peak_rss_mb_during_sleep": round(watch.peak["learner_mb"], 1),
+            "sleep": sleep["last"], "store": sleep["store"]}
+
+
+def stream_into_a_sleep(service: LocalService, samples: list[tuple[str, bytes]], rate: float) -> dict:
+    """A sleep under way, then a stream at `rate` a second: the worst lag, and how soon the sleep yielded."""
+    worst, stop, yielded_after = [0.0], threading.Event(), [None]
+    with ServiceClient(service.url, timeout=120) as client:
+        client.http.post("/sleep").raise_for_status()
+        wait_state(client, "sleeping")
+        time.sleep(2.0)  # well under way
+        t0 = time.perf_counter()
+
+        def watch() -> None:
+            with ServiceClient(service.url) as watcher:
+                while not stop.is_set():
+                    st = watcher.status()
+                    worst[0] = max(worst[0], st["lag"]["seconds"])
+                    if yielded_after[0] is None and st["sleep"]["state"] == "awake":
+                        yielded_after[0] = time.perf_counter() - t0
+                    stop.wait(0.1)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            for i in range(0, len(samples), 10):
+                time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+                batch = samples[i:i + 10]
+                client.add_samples([c for c, _ in batch], [b for _, b in batch])
+            st = wait_trained(client, client.status()["samples_received"], timeout=600)
+        finally:
+            stop.set()
+            watcher.join()
+    last = st["sleep"]["last"]
+    return {"rate_per_s": rate, "samples": len(samples), "max_lag_s": 6.0, "worst_lag_s": round(worst[0], 2),
+            "sleep_yielded_after_s": None if yielded_after[0] is None else round(yielded_after[0], 2),
+            "sleep_yielded": last["yielded"], "trained": st["samples_trained"],
+            "skipped": st["lag"]["samples_skipped"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clients.bench.sleep_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--photos-zip", default="../shared/datasets/mini-imagenet-slice.zip")
+    p.add_argument("--cifar", default="../shared/datasets/cifar10-jpeg.zip", help="the stream into a sleep")
+    p.add_argument("--photos", type=int, default=1500)
+    p.add_argument("--predictions", type=int, default=300, help="one-photo predictions, idle and during the sleep")
+    p.add_argument("--rate", type=float, default=80.0)
+    p.add_argument("--stream-seconds", type=float, default=30.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    photos = camera_photos(Path(args.photos_zip), args.photos)
+    blobs = [b for _, b in photos]
+    out = {"photos": len(photos), "ingest": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        default = LocalService(Path(tmp) / "default", {}).start()
+        try:
+            out["ingest"]["default"] = ingest(default, photos)
+            out["predict_default_idle"] = latencies(default.url, blobs, args.predictions, 1)
+        finally:
+            default.stop()
+        sleeping = LocalService(Path(tmp) / "sleep", {"ASER_SLEEP": "true", "ASER_MAX_LAG_S": "6", **AWAKE}).start()
+        try:
+            out["ingest"]["sleep"] = ingest(sleeping, photos)
+            out["predict_idle"] = latencies(sleeping.url, blobs, args.predictions, 1)
+            out |= predictions_during_a_sleep(sleeping, blobs, args.predictions)
+            with ServiceClient(sleeping.url, timeout=120) as client:  # something new, so the next sleep has a budget
+                for i in range(0, len(photos), 500):
+                    client.add_samples([f"again-{c}" for c, _ in photos[i:i + 500]], blobs[i:i + 500])
+                wait_trained(client, 2 * len(photos), timeout=3600)
+            stream = real_jpegs(Path(args.cifar), int(args.rate * args.stream_seconds))
+            out["stream_into_a_sleep"] = stream_into_a_sleep(sleeping, stream, args.rate)
+        finally:
+            sleeping.stop()
+    ingest_ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest"].items()}
+    out["summary"] = {
+        "ingest_cpu_ms_a_photo": ingest_ms, "ingest_ratio": round(ingest_ms["sleep"] / ingest_ms["default"], 3),
+        "predict_p99_idle_ms": out["predict_idle"]["p99_ms"],
+        "predict_p99_during_sleep_ms": out["predict_during_sleep"]["p99_ms"],
+        "predict_p99_ratio": round(out["predict_during_sleep"]["p99_ms"] / out["predict_idle"]["p99_ms"], 2),
+        "peak_rss_mb_during_sleep": out["peak_rss_mb_during_sleep"],
+        "worst_lag_s_streaming_into_a_sleep": out["stream_into_a_sleep"]["worst_lag_s"]}
+    out |= {"machine": machine_description(torch.device("cpu")), "command": "python -m clients.bench.sleep_cost " + " ".join(
+        sys.argv[1:] if argv is None else argv), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_result(Path(args.out), out)
+    print(out["summary"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
