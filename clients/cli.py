@@ -27,9 +27,7 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-
 from urllib.parse import quote
 
 import httpx
@@ -223,7 +221,8 @@ def markdown(r: dict) -> str:
     labels = r["confusion"]["labels"]
     lines += ["", "Confusion matrix (rows: the true class, columns: the answer):", "",
               "| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    lines += [f"| {label} | " + " | ".join(map(str, row)) + " |" for label, row in zip(labels, r["confusion"]["matrix"])]
+    lines += [f"| {label} | " + " | ".join(map(str, row)) + " |"
+              for label, row in zip(labels, r["confusion"]["matrix"])]
     return "\n".join(lines) + "\n"
 
 

@@ -72,12 +72,14 @@ class DiskLatentStore(LatentStore):
         if rows:
             self.arrival[:self.size] = torch.tensor([r["arrival"] for r in rows])
             self.labels[:self.size] = torch.tensor([r["class_id"] for r in rows])
-        self.arrived = max(int(arrived["value"]) if arrived else 0, int(self.arrival[:self.size].max()) if self.size else 0)
+        newest = int(self.arrival[:self.size].max()) if self.size else 0
+        self.arrived = max(int(arrived["value"]) if arrived else 0, newest)
 
     def _put(self, slots, codes, scales, evicted) -> None:
         arrivals = self.arrival[torch.tensor(slots)].tolist()
-        rows = [(a, int(self.labels[s]), codes[i].numpy().tobytes(),
-                 None if scales is None else scales[i].numpy().tobytes()) for i, (s, a) in enumerate(zip(slots, arrivals))]
+        scale_bytes = [None if scales is None else scales[i].numpy().tobytes() for i in range(len(slots))]
+        rows = [(a, int(self.labels[s]), codes[i].numpy().tobytes(), scale_bytes[i])
+                for i, (s, a) in enumerate(zip(slots, arrivals))]
         try:
             with self.db.write() as conn:
                 conn.executemany("DELETE FROM latents WHERE arrival = ?", [(a,) for a in evicted])

@@ -16,7 +16,7 @@ from PIL import Image
 from clients.bench.local_service import free_port, real_jpegs
 
 from .conftest import EUROSAT_ZIP, ROOT
-from .test_service import Server, status
+from .test_service import Server
 
 CLASSES = ["Forest", "Highway", "SeaLake"]
 TOKEN = "cli-admin-token"

@@ -22,10 +22,9 @@ CLASSES = ["AnnualCrop", "Forest", "Highway", "SeaLake"]
 @pytest.fixture(scope="module")
 def eurosat_latents(cache_dir):
     """4 classes of Split EuroSAT, 120 training and 40 test tiles each, as cut-11 latents at 64 px."""
+    from clients.bench.latents import encoded_dataset
     from learner.data import load_dataset
     from learner.networks.backbone import make_backbone
-
-    from clients.bench.latents import encoded_dataset
 
     data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=120, test_per_class=40, cache_dir=cache_dir)
     backbone = make_backbone("lite0", data.image_shape, 64, 11, 16)
@@ -133,7 +132,8 @@ def tiles():
 
 def send(server, pairs) -> None:
     for i in range(0, len(pairs), 60):
-        body = {"samples": [{"label": label, "image": base64.b64encode(jpeg).decode()} for label, jpeg in pairs[i:i + 60]]}
+        body = {"samples": [{"label": label, "image": base64.b64encode(jpeg).decode()}
+                            for label, jpeg in pairs[i:i + 60]]}
         r = httpx.post(f"{server.url}/samples", json=body)
         assert r.status_code == 201, r.text
 

@@ -19,8 +19,8 @@ from learner.data import ImageDataset, task_batches, task_test_set
 from learner.heads.head_choice import CANDIDATES
 from learner.heads.ncm import memory_ncm
 from learner.methods.augment import AUGMENTATIONS
-from learner.methods.sleep import SleepConfig
 from learner.methods.registry import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
+from learner.methods.sleep import SleepConfig
 
 from .machine import machine_description, resolve_device
 from .realtime import Stream, cost_model, simulate

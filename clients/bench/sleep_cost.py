@@ -129,8 +129,9 @@ def main(argv=None) -> int:
         "predict_p99_ratio": round(out["predict_during_sleep"]["p99_ms"] / out["predict_idle"]["p99_ms"], 2),
         "peak_rss_mb_during_sleep": out["peak_rss_mb_during_sleep"],
         "worst_lag_s_streaming_into_a_sleep": out["stream_into_a_sleep"]["worst_lag_s"]}
-    out |= {"machine": machine_description(torch.device("cpu")), "command": "python -m clients.bench.sleep_cost " + " ".join(
-        sys.argv[1:] if argv is None else argv), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    command = "python -m clients.bench.sleep_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    out |= {"machine": machine_description(torch.device("cpu")), "command": command,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_result(Path(args.out), out)
     print(out["summary"])
     return 0

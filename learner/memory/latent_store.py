@@ -165,7 +165,8 @@ class LatentStore:
             raise ValueError(f"a latent store of shape {tuple(state['shape'])} cannot load into {self.shape}")
         n = min(state["size"], self.capacity)
         self.size, self.arrived = n, state["arrived"]
-        self.codes[:n], self.labels[:n], self.arrival[:n] = state["codes"][:n], state["labels"][:n], state["arrival"][:n]
+        self.codes[:n], self.labels[:n] = state["codes"][:n], state["labels"][:n]
+        self.arrival[:n] = state["arrival"][:n]
         if self.scales is not None:
             self.scales[:n] = state["scales"][:n]
         self.generator.set_state(state["generator"])

@@ -63,7 +63,7 @@ class ContinualLearner(Serving, HeadClasses):
         # may need more than the top's blocks can take
         self.head_lr = head_lr
         if train_every < 0 or (train_every == 0 and sleep is None):
-            raise ValueError(f"train_every must be >= 1 (or 0 with a sleep, which then trains the top), got {train_every}")
+            raise ValueError(f"train_every must be >= 1 (or 0 with a sleep, which trains the top), got {train_every}")
         # a gradient step on one incoming batch in `train_every`: the others reach the memory and a streaming head
         # only, for a learner whose step costs more than the device can pay on every batch; 0: none (a sleep trains)
         self.train_every = train_every

@@ -14,8 +14,8 @@ batch class-balanced. The budget of a sleep is `epochs` times the samples new si
 stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is warm-started from the
 current top and ends, under a choice on held-back samples (`learner.heads.held_back`), with the heads chosen again;
 it keeps its weights unless the held-back samples show the served answer worse than before by a paired sign test
-(`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield` is asked between steps: a sleep that yields keeps
-what it trained and owes the rest of its budget to the next.
+(`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield` is asked between
+steps: a sleep that yields keeps what it trained and owes the rest of its budget to the next.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ class Sleeper:
         learner.rehearsal_steps += report.steps
         right_after = _served_right_on_held(learner, top_classes=self.top_classes | set(report.classes))
         if right_before is not None and right_after is not None:
-            report.held_before, report.held_after = (round(float(r.float().mean()), 4) for r in (right_before, right_after))
+            report.held_before, report.held_after = (round(float(r.float().mean()), 4)
+                                                     for r in (right_before, right_after))
         if right_before is not None and right_after is not None and shown_worse(right_before, right_after):
             _restore_serving(learner, saved)
             report.kept = False
