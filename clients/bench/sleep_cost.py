@@ -114,8 +114,8 @@ def main(argv=None) -> int:
             out["predict_idle"] = latencies(sleeping.url, blobs, args.predictions, 1)
             out |= predictions_during_a_sleep(sleeping, blobs, args.predictions)
             with ServiceClient(sleeping.url, timeout=120) as client:  # something new, so the next sleep has a budget
-                for i in range(0, len(photos), 500):
-                    client.add_samples([f"again-{c}" for c, _ in photos[i:i + 500]], blobs[i:i + 500])
+                for i in range(0, len(photos), 50):  # camera photos: 50 a request stays under the body limit
+                    client.add_samples([f"again-{c}" for c, _ in photos[i:i + 50]], blobs[i:i + 50])
                 wait_trained(client, 2 * len(photos), timeout=3600)
             stream = real_jpegs(Path(args.cifar), int(args.rate * args.stream_seconds))
             out["stream_into_a_sleep"] = stream_into_a_sleep(sleeping, stream, args.rate)
