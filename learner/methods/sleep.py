@@ -32,6 +32,7 @@ from ..heads.held_back import MIN_LEAD, Z
 from ..memory.latent_store import LatentStore
 
 SOURCES = ("store", "memory", "both")
+KEPT_REPORTS = 1000  # the latest sleeps' reports a learner keeps (a service sleeps for months)
 DRAWS = ("balanced", "new-half")
 
 
@@ -114,7 +115,7 @@ class Sleeper:
         self.sleeps += 1
         self.updates += report.updates
         self.cpu_seconds += report.cpu_seconds
-        self.reports.append(report.as_dict())
+        self.reports = [*self.reports[-(KEPT_REPORTS - 1):], report.as_dict()]
         return report
 
     def _train(self, learner, report: SleepReport, new: torch.Tensor, should_yield) -> None:
