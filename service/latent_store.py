@@ -59,7 +59,8 @@ class DiskLatentStore(LatentStore):
             log.warning("sleep: the latent store was written by another lineage; emptied")
         with self.db.write() as conn:
             conn.execute("DELETE FROM latents")
-            conn.execute("INSERT OR REPLACE INTO meta VALUES ('identity', ?)", (identity,))
+            conn.execute("DELETE FROM meta")
+            conn.execute("INSERT INTO meta VALUES ('identity', ?)", (identity,))
 
     def _load_index(self) -> None:
         with self.db.read() as conn:

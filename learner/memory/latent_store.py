@@ -4,8 +4,8 @@ ASER's memory keeps M samples chosen by value; a sleep trains the top i.i.d.-sty
 device has seen, as REMIND and SIESTA do from compressed mid-network features. A latent [C, H, W] is kept in
 8 bits with one scale a channel (symmetric: the cut's output is a linear projection, signed), 7,392 bytes at
 cut 11 and 128 px against 14,336 in fp16; a pooled 8-bit latent is kept as it is. Once `capacity` is reached
-a new sample evicts a random member of the largest class (CBRS's rule), so the store stays class-balanced and
-an old class keeps its share. Each slot records when it arrived, so a sleep can find what is new. The codes live
+a new sample evicts a random member of the largest class (its own class's, when that is among the largest), so the
+store stays class-balanced and an old class keeps its share. Each slot records when it arrived, so a sleep can find what is new. The codes live
 in tensors here; a store that keeps them elsewhere (the service's, on disk) overrides `_put` and `_get`.
 
 >>> import torch
@@ -84,7 +84,7 @@ class LatentStore:
         written: dict[int, int] = {}  # slot -> the sample it holds now (a later one of the batch may evict it)
         evicted = []  # the arrivals of the samples that gave up their slots
         for i, label in enumerate(labels.cpu().tolist()):
-            slot = self.size if self.size < self.capacity else self._victim()
+            slot = self.size if self.size < self.capacity else self._victim(label)
             if slot < self.size and slot not in written:
                 evicted.append(int(self.arrival[slot]))
             self.size = max(self.size, slot + 1)
@@ -104,11 +104,14 @@ class LatentStore:
     def _get(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.codes[slots], None if self.scales is None else self.scales[slots]
 
-    def _victim(self) -> int:
-        """A random member of the largest class."""
+    def _victim(self, incoming: int) -> int:
+        """A random member of the largest class: the incoming sample's own when it is among the largest, so that no
+        two classes are ever more than one sample apart once the store is full."""
         labels = self.labels[:self.size]
         classes, counts = labels.unique(return_counts=True)
         largest = classes[counts == counts.max()]
+        if incoming in largest.tolist():
+            largest = torch.tensor([incoming])
         target = largest[torch.randint(len(largest), (1,), generator=self.generator)]
         members = (labels == target).nonzero().flatten()
         return int(members[torch.randint(len(members), (1,), generator=self.generator)])

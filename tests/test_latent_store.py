@@ -1,0 +1,62 @@
+"""The sleep's latent store: in memory (learner.memory.latent_store) and on disk (service.latent_store) alike, bounded
+and class-balanced, 8 bits within a scale of the latent, and on disk following the lineage across restarts."""
+
+from __future__ import annotations
+
+import torch
+
+from learner.memory.latent_store import LatentStore
+from service.latent_store import DiskLatentStore, store_capacity
+
+SHAPE = (4, 2, 2)
+IDENTITY = {"backbone": "lite0", "cut": 11, "input_size": 64}
+
+
+def latents(n: int, seed: int) -> torch.Tensor:
+    return torch.randn((n, *SHAPE), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def test_eight_bits_a_channel_keep_a_latent_within_half_a_step_of_its_scale():
+    store, x = LatentStore(10, SHAPE), latents(5, 0)
+    store.add(x, torch.arange(5))
+    back, labels = store.read(torch.arange(5))
+    step = x.float().abs().flatten(2).amax(2) / 127  # a channel's quantisation step
+    assert labels.tolist() == [0, 1, 2, 3, 4]
+    assert bool(((back - x.float()).abs() <= step[..., None, None] / 2 + 1e-3).all())
+
+
+def test_on_disk_it_answers_as_in_memory_and_stays_balanced_when_full(tmp_path):
+    memory, disk = LatentStore(12, SHAPE, seed=3), DiskLatentStore(tmp_path / "l.db", 12, SHAPE, False, IDENTITY, 3)
+    for i in range(6):  # class 0 first, then classes 1 and 2: the store fills, then evicts from the largest
+        labels = torch.zeros(5, dtype=torch.long) if i < 2 else torch.tensor([1, 2, 1, 2, 1])
+        for store in (memory, disk):
+            store.add(latents(5, i), labels)
+    assert len(disk) == len(memory) == 12 and disk.arrived == memory.arrived == 30
+    assert disk.class_counts() == memory.class_counts() == {0: 4, 1: 4, 2: 4}
+    slots = torch.arange(12)
+    assert torch.equal(disk.read(slots)[0], memory.read(slots)[0]) and torch.equal(disk.read(slots)[1], memory.read(slots)[1])
+
+
+def test_on_disk_it_survives_a_restart_goes_back_to_a_checkpoint_and_empties_for_another_lineage(tmp_path):
+    path = tmp_path / "l.db"
+    store = DiskLatentStore(path, 100, SHAPE, False, IDENTITY)
+    store.add(latents(6, 0), torch.tensor([0, 0, 1, 1, 2, 2]))
+    saved = store.state_dict()  # a checkpoint here
+    store.add(latents(4, 1), torch.tensor([3, 3, 3, 3]))
+    store.close()
+
+    again = DiskLatentStore(path, 100, SHAPE, False, IDENTITY)
+    assert len(again) == 10 and again.arrived == 10 and again.class_counts()[3] == 4
+    again.load_state_dict(saved)  # the restart from the checkpoint: what arrived after it is trained again
+    assert len(again) == 6 and again.arrived == 6 and 3 not in again.class_counts()
+    assert again.forget_class(1) == 2 and again.class_counts() == {0: 2, 2: 2}
+    again.close()
+
+    other = DiskLatentStore(path, 100, SHAPE, False, {**IDENTITY, "cut": 15})
+    assert len(other) == 0 and other.arrived == 0
+
+
+def test_the_size_bound_is_in_megabytes_of_what_a_sample_takes():
+    # cut 11 at 160 px: 112x10x10 codes, a fp16 scale for each of 112 channels, a label and an arrival
+    assert store_capacity(512, (112, 10, 10), False) == 512 * 2**20 // (11200 + 224 + 16)
+    assert store_capacity(0.0001, (112, 10, 10), False) == 1
