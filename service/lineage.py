@@ -240,6 +240,7 @@ class LearnerSpec:
     sleep: bool = False  # the top trains in sleeps (learner.methods.sleep) and not awake
     sleep_epochs: float = 8.0
     sleep_store_mb: float = 512.0
+    sleep_min_new: int = 100
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -285,7 +286,8 @@ class LearnerSpec:
                 **({"head_measure": self.head_measure} if lineage.head == "chosen" else {}),
                 **({"head_prior": self.head_prior} if self.head_prior else {}),
                 "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias,
-                **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb}
+                **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb,
+                    "sleep_min_new": self.sleep_min_new}
                    if self.sleep else {})}
 
 
@@ -315,7 +317,7 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
     return LearnerSpec(lineage, device, settings.mem_size, settings.k, settings.n_candidates, settings.per_class,
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
                        settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head),
-                       settings.sleep, settings.sleep_epochs, settings.sleep_store_mb)
+                       settings.sleep, settings.sleep_epochs, settings.sleep_store_mb, settings.sleep_min_new)
 
 
 def head_prior(settings: Settings, head: str) -> str | None:

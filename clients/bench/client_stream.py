@@ -7,7 +7,9 @@ anytime accuracy, `clients.bench.protocol.AnytimeProbe`), and at the end of each
 the service serves (and its stream-measured choice), and the ONNX snapshot's parity with `/predict`
 (the same top-1 label on every test photo, the largest gap in its probability). With `--rate R` the
 device sends R photos a second, ten at a time, and a service that rehearses while idle
-(ASER_IDLE_REHEARSAL) has the time between them.
+(ASER_IDLE_REHEARSAL) has the time between them; with `--quiet-every N --quiet-s S` it also goes quiet for S
+seconds after every N photos, as a device's day has idle hours (a service with ASER_SLEEP sleeps then), and once its
+stream has ended it waits for the service's sleep over what is new before the final measure (`after_idle`).
 
     python -m clients.bench.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
         --out results/client-stream/eurosat-default.json
@@ -79,26 +81,67 @@ def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], 
             "snapshot_head": onnx.metadata.get("head", "")}
 
 
-def send(client: ServiceClient, photos: list[tuple[str, bytes]], rate: float | None) -> None:
+class Quiet:
+    """A device's idle hours: `seconds` of silence after every `every` photos it sends (0: none)."""
+
+    def __init__(self, every: int = 0, seconds: float = 0.0):
+        self.every, self.seconds, self.sent = every, seconds, 0
+
+    def chunks(self, photos: list) -> list[list]:
+        """The photos cut where the device goes quiet."""
+        if not self.every:
+            return [photos]
+        cut, out = self.every - self.sent % self.every, []
+        while photos:
+            out.append(photos[:cut])
+            photos, cut = photos[cut:], self.every
+        return out
+
+    def after(self, n: int) -> None:
+        before, self.sent = self.sent, self.sent + n
+        if self.every and self.sent // self.every > before // self.every:
+            time.sleep(self.seconds)
+
+
+def send(client: ServiceClient, photos: list[tuple[str, bytes]], rate: float | None,
+         quiet: Quiet | None = None) -> None:
     """As fast as they are acknowledged, or `rate` photos a second, a batch of ten at a time (a device that
-    sends what it sees as it sees it: the service is idle between its batches)."""
-    if not rate:
-        client.stream_samples(photos)
-        return
-    batches = [(None, photos[i:i + PACED_BATCH]) for i in range(0, len(photos), PACED_BATCH)]
-    for _, batch in paced(batches, rate, time.perf_counter(), 0):
-        client.stream_samples(batch)
+    sends what it sees as it sees it: the service is idle between its batches); quiet as `quiet` says."""
+    quiet = quiet or Quiet()
+    for chunk in quiet.chunks(photos):
+        if not rate:
+            client.stream_samples(chunk)
+        else:
+            batches = [(None, chunk[i:i + PACED_BATCH]) for i in range(0, len(chunk), PACED_BATCH)]
+            for _, batch in paced(batches, rate, time.perf_counter(), 0):
+                client.stream_samples(batch)
+        quiet.after(len(chunk))
+
+
+def slept(client: ServiceClient, timeout: float = 3600) -> dict | None:
+    """A device idle after its stream: once the service has slept over what is new (ASER_SLEEP; None without)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = client.status()
+        sleep = status["sleep"]
+        if sleep is None:
+            return None
+        done = sleep["state"] == "awake" and not sleep["owed"]
+        if done and sleep["new_samples"] < status["config"]["sleep_min_new"]:
+            return sleep
+        time.sleep(1.0)
+    raise TimeoutError(f"the service did not sleep over what is new within {timeout} s")
 
 
 def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[tuple[str, bytes]],
-              per_class: int, rate: float | None = None) -> dict:
+              per_class: int, rate: float | None = None, quiet: Quiet | None = None) -> dict:
     """Send one task's photos; measure at each anytime point it reaches and at its end."""
     points, sent = {}, 0
     for point in (*ANYTIME_POINTS, LARGE):
         upto = min(len(train), CLASSES_A_TASK * min(point, per_class))
         if upto <= sent:
             continue
-        send(client, train[sent:upto], rate)
+        send(client, train[sent:upto], rate, quiet)
         sent = upto
         status = client.drain()
         found = {"accuracy": accuracy(client, test)[0], "serving_head": status["serving_head"],
@@ -110,7 +153,8 @@ def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[
     return points
 
 
-def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int, rate: float | None = None) -> dict:
+def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int, rate: float | None = None,
+             quiet: Quiet | None = None) -> dict:
     names = class_names(data)
     tasks = [names[i:i + CLASSES_A_TASK] for i in range(0, len(names), CLASSES_A_TASK)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,17 +166,22 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                     seen = [c for task in tasks[:t + 1] for c in task]
                     train = real_jpegs(data, CLASSES_A_TASK * per_class, classes=classes)
                     test = real_jpegs(data, len(seen) * test_per_class, split="test", classes=seen)
-                    along.append(send_task(client, train, test, per_class, rate))
+                    along.append(send_task(client, train, test, per_class, rate, quiet))
                     sent += len(train)
                     print(f"seed {seed} task {t + 1} {classes}: "
                           + ", ".join(f"@{k} {v['accuracy']}" for k, v in along[-1].items()), flush=True)
                 seconds = time.monotonic() - started
                 status = client.drain()
+                after_idle = None
+                if (sleep := slept(client)) is not None:  # the device idle: the service sleeps over what is new
+                    status = client.drain()
+                    after_idle = {"accuracy": accuracy(client, test)[0], "sleep": sleep}
                 parity = onnx_parity(client, service.url, test)
         finally:
             service.stop()
     anytime = {str(n): [task[str(n)]["accuracy"] for task in along if str(n) in task] for n in ANYTIME_POINTS}
-    return {"seed": seed, "final_accuracy": along[-1]["end"]["accuracy"],
+    return {"seed": seed, "final_accuracy": (after_idle or along[-1]["end"])["accuracy"],
+            **({"after_idle": after_idle} if after_idle else {}),
             "anytime": {n: round(sum(v) / len(v), 2) for n, v in anytime.items() if v},
             "tasks": along, "serving_head": status["serving_head"], "head_choice": status["head_choice"],
             "samples_sent": sent,
@@ -150,15 +199,19 @@ def main(argv=None) -> int:
     parser.add_argument("--env", action="append", default=[], metavar="ASER_X=V", help="a setting of the service")
     parser.add_argument("--rate", type=float, metavar="R",
                         help="photos a second the device sends, ten at a time (default: as fast as acknowledged)")
+    parser.add_argument("--quiet-every", type=int, default=0, metavar="N",
+                        help="the device goes quiet after every N photos (its idle hours)")
+    parser.add_argument("--quiet-s", type=float, default=0.0, metavar="S", help="for S seconds")
     parser.add_argument("--out", help="write the result here (JSON)")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
-    runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class, args.rate)
-            for seed in parse_seeds(args.seeds)]
+    runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class, args.rate,
+                     Quiet(args.quiet_every, args.quiet_s)) for seed in parse_seeds(args.seeds)]
     mean = {"final_accuracy": round(sum(r["final_accuracy"] for r in runs) / len(runs), 2),
             "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}}
     result = {"data": Path(args.data).name, "train_per_class": args.train_per_class if args.train_per_class < LARGE
               else "all", "test_per_class": args.test_per_class, **({"rate": args.rate} if args.rate else {}),
+              **({"quiet_every": args.quiet_every, "quiet_s": args.quiet_s} if args.quiet_every else {}),
               "env": env, "mean": mean, "runs": runs,
               "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
               "command": "python -m clients.bench.client_stream " + shlex.join(sys.argv[1:] if argv is None else argv),
