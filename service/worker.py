@@ -128,9 +128,9 @@ class LearnerWorker:
         learner = self._build_learner()
         learner.warm_up()
         self._attach_latent_store(learner)
-        self.trained_upto, extra = self.checkpoints.restore(learner)
+        self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
         if learner.sleeper is not None and not self.trained_upto:  # a new lineage: nothing stored is its own
-            self.latent_store.truncate(0)  # the last sequence number the model has seen
+            self.latent_store.truncate(0)
         self.online = OnlineAccuracy.from_state(extra.get("online"), self.settings.online_window)
         forgotten = self.store.forgotten()
         for f in forgotten:  # a crash may have come between the forgetting and the next checkpoint
