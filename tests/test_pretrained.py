@@ -186,6 +186,10 @@ def test_the_benchmark_runs_the_pretrained_backbone_and_records_anytime_accuracy
     result = json.loads(out.read_text())
     assert set(result["anytime"]) == {"10"} and len(result["anytime_by_task"]["10"]) == 5
     assert result["anytime_by_task"]["10"][0] > 50  # two classes from ten images each: better than a coin
+    end, at_10 = result["calibration"]["end"], result["calibration"]["anytime"]["10"]
+    assert end["wrong"] == round(100 * (1 - result["average_accuracy"] / 100))  # 100 test images, 10 a class
+    assert 0 <= end["ece"] <= 1 and 0 <= end["brier"] <= 2 and end["wrong_above_0.99"] <= end["wrong"]
+    assert set(at_10) == {"ece", "brier", "mean_confidence", "wrong", "wrong_above_0.99"}
     assert result["frozen_forward_cpu_seconds"] > 0 and result["settings"]["backbone"]["cut"] == POOLED
     table = tmp_path / "table.md"
     assert main(["table", str(tmp_path), "--out", str(table)]) == 0

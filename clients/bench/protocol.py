@@ -21,6 +21,7 @@ from learner.heads.ncm import memory_ncm
 from learner.methods.augment import AUGMENTATIONS
 from learner.methods.registry import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 from learner.methods.sleep import SleepConfig
+from learner.metrics import brier_score, expected_calibration_error
 
 from .machine import machine_description, resolve_device
 from .realtime import Stream, cost_model, simulate
@@ -325,16 +326,44 @@ class AnytimeProbe:
             learner.refresh_serving()
             point = str(self.pending.pop(0))
             if learner.head_choice is None:
-                answers = {"anytime": learner.predict(self.test[0])}
+                served = torch.softmax(learner.logits(self.test[0]), 1)
+                answers = {"anytime": served.argmax(1)}
             else:  # the served answer and each candidate's, from one pass
                 probabilities = learner.candidate_probabilities(self.test[0])
-                answers = {"anytime": probabilities.pop("served").argmax(1),
+                served = probabilities.pop("served")
+                answers = {"anytime": served.argmax(1),
                            **{f"anytime_{name}": p.argmax(1) for name, p in probabilities.items()}}
+            run.setdefault("anytime_calibration", {}).setdefault(point, []).append(
+                calibration_figures(served.cpu(), self.test[1]))
             for key, predicted in answers.items():
                 accuracy = percent_correct(predicted.cpu(), self.test[1])
                 run.setdefault(key, {}).setdefault(point, []).append(round(accuracy, 2))
             self.wall += time.perf_counter() - t0
             self.cpu += time.process_time() - cpu0
+
+
+def calibration_figures(probabilities: torch.Tensor, labels: torch.Tensor) -> dict:
+    """How far the served probabilities mean what they say: the expected calibration error (15 bins) and the Brier
+    score, the mean top probability, and the wrong answers given at more than 0.99."""
+    confidence, answer = probabilities.max(1)
+    wrong = answer != labels
+    return {"ece": round(expected_calibration_error(probabilities, labels), 4),
+            "brier": round(brier_score(probabilities, labels), 4),
+            "mean_confidence": round(float(confidence.mean()), 4),
+            "wrong": int(wrong.sum()), "wrong_above_0.99": int((wrong & (confidence > 0.99)).sum())}
+
+
+def calibration_record(learner, data: ImageDataset, tasks: list[list[int]], run: dict) -> dict:
+    """The served probabilities' calibration on every class's test set at the end, and at each anytime point (the
+    mean over the tasks that reached it)."""
+    x, y = task_test_set(data, [c for t in tasks for c in t])
+    if learner.head_choice is not None:
+        served = learner.candidate_probabilities(x)["served"]
+    else:
+        served = torch.softmax(learner.logits(x), 1)
+    anytime = {point: {k: round(sum(f[k] for f in figures) / len(figures), 4) for k in figures[0]}
+               for point, figures in run.get("anytime_calibration", {}).items()}
+    return {"calibration": {"end": calibration_figures(served.cpu(), y), "anytime": anytime}}
 
 
 def anytime_summary(run: dict) -> dict:
@@ -373,6 +402,7 @@ def result_record(args, data: ImageDataset, seed: int, device: torch.device, lea
         "steps": learner.steps,
         **({"rehearsal_steps": learner.rehearsal_steps} if learner.rehearsal_steps else {}),
         **sleep_record(learner),
+        **calibration_record(learner, data, data.tasks(args.tasks), run),
         **({"resumed_after_pass": run["resumed_at"]} if run["resumed_at"] else {}),
         "settings": {
             "step": args.step, "loss": args.loss, "threads": torch.get_num_threads(),
