@@ -131,6 +131,8 @@ def test_predict_and_evaluate_agree_with_the_service_and_its_snapshot(server, fo
 def test_errors_are_one_line_and_an_exit_code(server, folders, tmp_path):
     down = aser("status", url=f"http://127.0.0.1:{free_port()}")
     assert down.returncode == 3 and "no service answers" in down.stderr and "Traceback" not in down.stderr
+    after = aser("status", "--url", server.url, "--token", TOKEN)  # the options after the command too
+    assert after.returncode == 0 and "received" in after.stdout
     bad_token = aser("status", url=server.url, token="wrong")
     assert bad_token.returncode == 1 and ("401" in bad_token.stderr or "403" in bad_token.stderr)
     assert len(bad_token.stderr.strip().splitlines()) == 1
