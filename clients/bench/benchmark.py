@@ -275,9 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sleep-source", choices=SLEEP_SOURCES, default="store",
                      help="with --sleep-every: what a sleep rehearses (the latent store of every sample, ASER's "
                           "memory, or half of each)")
-    run.add_argument("--sleep-draw", choices=SLEEP_DRAWS, default="new-half",
-                     help="with --sleep-every: half of each store batch from what is new since the last sleep "
-                          "(new-half) or every batch class-balanced (balanced)")
+    run.add_argument("--sleep-draw", choices=SLEEP_DRAWS, default="balanced",
+                     help="with --sleep-every: every store batch class-balanced (balanced), or half of each from what "
+                          "is new since the last sleep (new-half)")
     run.add_argument("--sleep-store", type=int, default=100_000, metavar="N",
                      help="with --sleep-every: the latent store's capacity in samples (class-balanced eviction)")
     run.add_argument("--standardize-features", action="store_true",

@@ -121,8 +121,8 @@ class RunSpec:
         ...         ("cut", 11), ("serving_head", "slda"), ("rehearsals", 3))).file_name()
         'cb-sv-duel-ace-lite0-128px-cut11-serveslda-m1000-rehearsals3-seed0.json'
         >>> RunSpec("eurosat", "cb-sv-duel", 1000, "joint", "ace", "fp32", 0, extra=(("backbone", "lite0"),
-        ...         ("cut", 11), ("train_every", 0), ("sleep_every", 2000), ("sleep_draw", "balanced"))).file_name()
-        'cb-sv-duel-ace-lite0-128px-cut11-every0-m1000-sleep2000x8-balanced-seed0.json'
+        ...         ("cut", 11), ("train_every", 0), ("sleep_every", 2000), ("sleep_draw", "new-half"))).file_name()
+        'cb-sv-duel-ace-lite0-128px-cut11-every0-m1000-sleep2000x8-new-half-seed0.json'
         """
         parts = [self.method]
         if self.precision != "fp32":
@@ -176,7 +176,7 @@ class RunSpec:
             parts.append(f"rehearsals{extra['rehearsals']}")
         if extra.get("sleep_every"):  # the sleep schedule, its budget, and what differs from its defaults
             parts.append(f"sleep{extra['sleep_every']}x{extra.get('sleep_epochs', 8):g}")
-            parts += [f"{extra[k]}" for k, d in (("sleep_source", "store"), ("sleep_draw", "new-half"))
+            parts += [f"{extra[k]}" for k, d in (("sleep_source", "store"), ("sleep_draw", "balanced"))
                       if extra.get(k, d) != d]
             if extra.get("sleep_lr", 0.01) != 0.01:
                 parts.append(f"slr{extra['sleep_lr']:g}")
