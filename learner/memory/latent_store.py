@@ -5,8 +5,9 @@ device has seen, as REMIND and SIESTA do from compressed mid-network features. A
 8 bits with one scale a channel (symmetric: the cut's output is a linear projection, signed), 7,392 bytes at
 cut 11 and 128 px against 14,336 in fp16; a pooled 8-bit latent is kept as it is. Once `capacity` is reached
 a new sample evicts a random member of the largest class (its own class's, when that is among the largest), so the
-store stays class-balanced and an old class keeps its share. Each slot records when it arrived, so a sleep can find what is new. The codes live
-in tensors here; a store that keeps them elsewhere (the service's, on disk) overrides `_put` and `_get`.
+store stays class-balanced and an old class keeps its share. Each slot records when it arrived, so a sleep can find
+what is new. The codes live in tensors here; a store that keeps them elsewhere (the service's, on disk) overrides
+`_put` and `_get`.
 
 >>> import torch
 >>> store = LatentStore(capacity=4, shape=(2, 1, 1), seed=0)

@@ -11,8 +11,8 @@ of plain SGD on class-balanced mini-batches drawn from a `source`:
 `draw` "balanced" (SIESTA's) draws every store batch class-balanced over everything; "new-half" takes half of each
 from the samples that arrived since the last sleep (REMIND's mix of new and old), which in a class-incremental stream
 is one task's classes: on Split EuroSAT (seed 0) it served 95.01 against balanced's 97.23, 14 of its 22 sleeps undone
-by the held-back samples (docs/results/sleep.md). The budget of a sleep is `epochs` times the samples new since the last one (the whole
-stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is warm-started from the
+by the held-back samples (docs/results/sleep.md). The budget of a sleep is `epochs` times the samples new since the
+last one (the whole stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is warm-started from the
 current top and ends, under a choice on held-back samples (`learner.heads.held_back`), with the heads chosen again;
 it keeps its weights unless the held-back samples show the served answer worse than before by a paired sign test
 (`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield` is asked between
