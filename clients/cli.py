@@ -243,7 +243,7 @@ def confusion_png(r: dict, path: Path) -> None:
     ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("answer")
     ax.set_ylabel("true class")
-    ax.set_title(f"{r['source']}: {100 * r['accuracy']:.1f}% of {r['photos']}")
+    ax.set_title(f"{100 * r['accuracy']:.1f}% right of {r['photos']} photos\n{r['source']}", fontsize=9)
     peak = max(max(row) for row in matrix) or 1
     for i, row in enumerate(matrix):
         for j, n in enumerate(row):
