@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from urllib.parse import quote
 
 import httpx
 
@@ -212,6 +213,14 @@ class ServiceClient:
 
     def status(self) -> dict:
         return self._json("GET", "/status")
+
+    def forget_class(self, label: str) -> dict:
+        """Forget a class for good (admin): its samples, memory, predictions and snapshots."""
+        return self._json("DELETE", f"/classes/{quote(label, safe='')}", retry=False, timeout=180)
+
+    def sleep(self) -> dict:
+        """With ASER_SLEEP (admin): train the top over what the service holds as soon as no sample waits."""
+        return self._json("POST", "/sleep", retry=False)
 
     def drain(self, timeout: float = 600, pause: float = 0.3) -> dict:
         """The status once the learner has trained on everything it received (backlog 0) and

@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from urllib.parse import quote
 
 import httpx
 
@@ -343,13 +342,13 @@ def cmd_forget(args, client) -> int:
     if not args.yes:
         raise CliError(f"forgetting {args.label!r} removes it for good (its samples, memory and snapshots): "
                        "add --yes")
-    answer = client._json("DELETE", f"/classes/{quote(args.label, safe='')}", retry=False)
+    answer = client.forget_class(args.label)
     print(f"forgot {args.label!r}: " + ", ".join(f"{k} {v}" for k, v in answer.items() if k != "label"))
     return 0
 
 
 def cmd_sleep(args, client) -> int:
-    answer = client._json("POST", "/sleep", retry=False)
+    answer = client.sleep()
     print(f"sleep requested: a budget of {answer['budget']} sample-updates over {answer['new_samples']} new samples")
     return 0
 

@@ -357,10 +357,7 @@ def calibration_record(learner, data: ImageDataset, tasks: list[list[int]], run:
     """The served probabilities' calibration on every class's test set at the end, and at each anytime point (the
     mean over the tasks that reached it)."""
     x, y = task_test_set(data, [c for t in tasks for c in t])
-    if learner.head_choice is not None:
-        served = learner.candidate_probabilities(x)["served"]
-    else:
-        served = torch.softmax(learner.logits(x), 1)
+    served = torch.softmax(learner.logits(x), 1)  # under a head choice, the log of the served probabilities
     anytime = {point: {k: round(sum(f[k] for f in figures) / len(figures), 4) for k in figures[0]}
                for point, figures in run.get("anytime_calibration", {}).items()}
     return {"calibration": {"end": calibration_figures(served.cpu(), y), "anytime": anytime}}

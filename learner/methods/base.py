@@ -243,10 +243,7 @@ class ContinualLearner(Serving, HeadClasses):
         the sleep's epochs times the samples new since the last, plus what a yielded one owes); a `SleepReport`."""
         if self.sleeper is None:
             raise ValueError("this learner has no sleep: build it with sleep=SleepConfig(...)")
-        report = self.sleeper.run(self, budget, should_yield)
-        if self.head_choice is not None and self.train_every == 0:
-            self.head_choice.top_classes = self.sleeper.top_classes
-        return report
+        return self.sleeper.run(self, budget, should_yield)
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError
@@ -438,8 +435,6 @@ class ContinualLearner(Serving, HeadClasses):
             self.head_choice.load_state_dict(state["head_choice"])
         if self.sleeper is not None and "sleeper" in state:
             self.sleeper.load_state_dict(state["sleeper"])
-            if self.head_choice is not None and self.train_every == 0:
-                self.head_choice.top_classes = self.sleeper.top_classes
         solved = state.get("solved_head")
         self._solved = (solved["counts"], LinearHead(solved["class_ids"], solved["weight"], solved["bias"])) \
             if solved and self.stream_head is not None else None

@@ -82,7 +82,8 @@ class Sleeper:
         self.generator = torch.Generator().manual_seed(seed + 7)
         self.mark = 0  # the store's arrivals when the last sleep began
         self.owed = 0  # sample-updates a yielded sleep left
-        self.top_classes: set[int] = set()  # classes a kept sleep has trained the top on
+        # classes a kept sleep has trained the top on; changed in place only, since a head choice may read this very set
+        self.top_classes: set[int] = set()
         self.sleeps, self.updates, self.cpu_seconds = 0, 0, 0.0
         self.reports: list[dict] = []  # every sleep's report, as a dict
         self.current: SleepReport | None = None  # the sleep in progress (its updates so far), for a reader
@@ -140,15 +141,16 @@ class Sleeper:
             report.updates += len(y)
             report.steps += 1
         learner.rehearsal_steps += report.steps
-        right_after = _served_right_on_held(learner, top_classes=self.top_classes | set(report.classes))
+        taught = set(report.classes) - self.top_classes
+        self.top_classes |= taught  # measured as the top's, taken back if the sleep is undone
+        right_after = _served_right_on_held(learner)
         if right_before is not None and right_after is not None:
             report.held_before, report.held_after = (round(float(r.float().mean()), 4)
                                                      for r in (right_before, right_after))
         if right_before is not None and right_after is not None and shown_worse(right_before, right_after):
+            self.top_classes -= taught
             _restore_serving(learner, saved)
             report.kept = False
-        else:
-            self.top_classes |= set(report.classes)
         report.cpu_seconds = time.process_time() - cpu0
 
     def _draw(self, learner, n: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +182,8 @@ class Sleeper:
         self.store.load_state_dict(state["store"])
         self.generator.set_state(state["generator"])
         self.mark, self.owed = state["mark"], state["owed"]
-        self.top_classes = set(state["top_classes"])
+        self.top_classes.clear()
+        self.top_classes.update(state["top_classes"])
         self.sleeps, self.updates, self.cpu_seconds = state["sleeps"], state["updates"], state["cpu_seconds"]
         self.reports = list(state["reports"])
 
@@ -200,13 +203,11 @@ def shown_worse(before: torch.Tensor, after: torch.Tensor) -> bool:
     return losses - wins >= max(MIN_LEAD, Z * math.sqrt(losses + wins))
 
 
-def _served_right_on_held(learner, top_classes: set[int] | None = None) -> torch.Tensor | None:
+def _served_right_on_held(learner) -> torch.Tensor | None:
     """Which held-back samples the served answer gets right, the heads chosen on them first (None without any)."""
     choice = learner.head_choice
     if choice is None or choice.held is None or not choice.held.measured():
         return None
-    if top_classes is not None and choice.top_classes is not None:  # a top trained only by sleeps
-        choice.top_classes = top_classes
     learner._held_measured_at = None  # held samples may have come since the last measure, at the same weights
     learner.measure_held()
     stored, features, labels = choice.held.stacked()
