@@ -172,7 +172,8 @@ def alone(client: ServiceClient, chunk: list, summary: dict) -> tuple[dict, list
 
 # --- predict and evaluate ---------------------------------------------------------------------------------------
 def predict_files(client: ServiceClient | None, onnx, paths: list[Path], k: int, progress: bool = False) -> list:
-    """Top-k answers, one list a file, from the service or (`onnx`) from a downloaded snapshot."""
+    """One answer a file (its top-k labels, `unknown`: "none of these", and its score), from the service or
+    (`onnx`) from a downloaded snapshot."""
     from tqdm import tqdm
 
     answers = []
@@ -180,9 +181,11 @@ def predict_files(client: ServiceClient | None, onnx, paths: list[Path], k: int,
         for i in range(0, len(paths), PREDICT_CHUNK):
             chunk = paths[i:i + PREDICT_CHUNK]
             if onnx is not None:
-                answers += onnx.predict([str(p) for p in chunk], k=k)
+                answers += onnx.answer([str(p) for p in chunk], k=k)
             else:
-                answers += client.predict([p.read_bytes() for p in chunk], k=k)["results"]
+                got = client.predict([p.read_bytes() for p in chunk], k=k)
+                answers += [{"top": top, "unknown": u, "unknown_score": s}
+                            for top, u, s in zip(got["results"], got["unknown"], got["unknown_score"])]
             bar.update(len(chunk))
     return answers
 
@@ -272,16 +275,18 @@ def cmd_predict(args, client) -> int:
     onnx = open_onnx(args.onnx)
     answers = predict_files(None if onnx else client, onnx, paths, args.k)
     if args.json:
-        print(json.dumps([{"file": str(p), "top": a} for p, a in zip(paths, answers)], indent=2))
+        print(json.dumps([{"file": str(p), **a} for p, a in zip(paths, answers)], indent=2))
     elif args.csv:
         out = csv.writer(sys.stdout)
-        out.writerow(["file", "rank", "label", "probability"])
+        out.writerow(["file", "rank", "label", "probability", "unknown"])
         for p, a in zip(paths, answers):
-            out.writerows([str(p), i + 1, t["label"], f"{t['probability']:.6f}"] for i, t in enumerate(a))
+            out.writerows([str(p), i + 1, t["label"], f"{t['probability']:.6f}", a["unknown"]]
+                          for i, t in enumerate(a["top"]))
     else:
         width = max(len(str(p)) for p in paths)
         for p, a in zip(paths, answers):
-            print(f"{str(p):<{width}}  " + "  ".join(f"{t['label']} {100 * t['probability']:.1f}%" for t in a))
+            print(f"{str(p):<{width}}  " + "  ".join(f"{t['label']} {100 * t['probability']:.1f}%" for t in a["top"])
+                  + ("  (none of these?)" if a["unknown"] else ""))
     return 0
 
 
@@ -290,7 +295,7 @@ def cmd_evaluate(args, client) -> int:
     onnx = open_onnx(args.onnx)
     answers = predict_files(None if onnx else client, onnx, [p for _, p in items], 1, not args.quiet)
     source = f"snapshot {args.onnx} (model version {onnx.model_version})" if onnx else f"service {client.base_url}"
-    r = report([label for label, _ in items], [a[0]["label"] for a in answers], source)
+    r = report([label for label, _ in items], [a["top"][0]["label"] for a in answers], source)
     if args.confusion:
         confusion_png(r, Path(args.confusion))
         r["confusion_png"] = args.confusion

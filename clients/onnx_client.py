@@ -88,6 +88,14 @@ class OnnxClassifier(OnnxSnapshot):
     def predict(self, images, k: int = 3) -> list[list[dict]]:
         return top_k(self.probabilities(self.pixels(images)), self.labels, k)
 
+    def answer(self, images, k: int = 3) -> list[dict]:
+        """Per image, as the service's `/predict` answers one: the top-k labels, whether it is "none of these"
+        (`unknown`) and its score (None from an uncalibrated snapshot)."""
+        probabilities, scores, unknown = self.answers(self.pixels(images))
+        tops = top_k(probabilities, self.labels, k)
+        return [{"top": top, "unknown": bool(u), "unknown_score": None if scores is None else round(float(s), 4)}
+                for top, u, s in zip(tops, unknown, scores if scores is not None else [None] * len(tops))]
+
 
 def open_image(source, size: int) -> np.ndarray:
     """A path or file object read by the one input rule, as uint8 [3, size, size], or a
@@ -127,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             images = args.images
             clf = OnnxClassifier(args.model)
-        answers = clf.predict(images, args.k)
+        answers = clf.answer(images, args.k)
     except SnapshotError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for path, top in zip(images, answers):
-        print(json.dumps({"image": str(path), "model_version": clf.model_version, "top": top}))
+    for path, answer in zip(images, answers):
+        print(json.dumps({"image": str(path), "model_version": clf.model_version, **answer}))
     return 0
 
 

@@ -241,6 +241,8 @@ class LearnerSpec:
     sleep_epochs: float = 8.0
     sleep_store_mb: float = 512.0
     sleep_min_new: int = 100
+    calibrate: bool = True  # a temperature and "none of these" fitted on held-back samples (learner.heads.calibration)
+    unknown_false_alarm: float = 0.05
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -266,7 +268,8 @@ class LearnerSpec:
                             trained_head_from=self.trained_head_from,
                             choose_head=self.head_measure if lineage.head == "chosen" else False,
                             head_prior=self.head_prior, train_every=0 if self.sleep else 1,
-                            sleep=self.sleep_config())
+                            sleep=self.sleep_config(), calibrate=self.calibrate,
+                            false_alarm=self.unknown_false_alarm)
 
     def sleep_config(self):
         if not self.sleep:
@@ -285,7 +288,8 @@ class LearnerSpec:
                 "head": lineage.head, **({"trained_head_from": n} if (n := self.trained_head_from) else {}),
                 **({"head_measure": self.head_measure} if lineage.head == "chosen" else {}),
                 **({"head_prior": self.head_prior} if self.head_prior else {}),
-                "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias,
+                "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias, "calibrate": self.calibrate,
+                **({"unknown_false_alarm": self.unknown_false_alarm} if self.calibrate else {}),
                 **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb,
                     "sleep_min_new": self.sleep_min_new}
                    if self.sleep else {})}
@@ -317,7 +321,9 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
     return LearnerSpec(lineage, device, settings.mem_size, settings.k, settings.n_candidates, settings.per_class,
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
                        settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head),
-                       settings.sleep, settings.sleep_epochs, settings.sleep_store_mb, settings.sleep_min_new)
+                       settings.sleep, settings.sleep_epochs, settings.sleep_store_mb, settings.sleep_min_new,
+                       lineage.backbone != "scratch" if settings.calibrate is None else settings.calibrate,
+                       settings.unknown_false_alarm)
 
 
 def head_prior(settings: Settings, head: str) -> str | None:

@@ -57,6 +57,9 @@ class Metrics:
                                             "ASER_ONLINE_WINDOW samples", registry=r)
         self.online_class_accuracy = Gauge("aser_online_class_accuracy", "Test-then-train accuracy per class",
                                            ["class_label"], registry=r)
+        self.online_unknown = Gauge("aser_online_unknown_samples", "Samples called \"none of these\" before their "
+                                    "step: of a known class (false alarms) and of a class not yet learned (finds)",
+                                    ["kind"], registry=r)
         self.new_class_samples = Gauge("aser_online_new_class_samples", "Samples of a class the model had not "
                                        "learned yet when they arrived", registry=r)
         self.worker_up = Gauge("aser_worker_up", "1 while the learner worker runs", registry=r)
@@ -134,6 +137,8 @@ class Metrics:
         self.online_window_accuracy.set(online["window_accuracy"] if online["window_accuracy"] is not None
                                         else float("nan"))
         self.new_class_samples.set(online["new_class_samples"])
+        for kind, n in online["unknown"].items():
+            self.online_unknown.labels(kind=kind.removesuffix("_samples")).set(n)
         self.online_class_accuracy.clear()  # a forgotten class leaves the exposition
         for label, figures in online["per_class"].items():
             self.online_class_accuracy.labels(class_label=label).set(figures["accuracy"])

@@ -2,7 +2,8 @@
 
 Every labelled sample is scored by the model that is about to train on it, before the step, so
 the stream itself is the test set. Samples of a class the head has never seen cannot be right;
-they are counted apart (`new_class_samples`) and left out of the accuracies. The figures are kept
+they are counted apart (`new_class_samples`) and left out of the accuracies. Samples the model called "none of
+these" (`learner.heads.calibration`) are counted apart too: of a known class a false alarm, of a new one a find. The figures are kept
 cumulatively, over a sliding window of the last N scored samples, and per class; their state
 travels with the checkpoint (so a restart resumes them in step with the model), and a point
 every few steps goes to the `history` table, which only ever grows forwards.
@@ -14,6 +15,9 @@ every few steps goes to the `history` table, which only ever grows forwards.
 >>> acc.score(predicted=[0], labels=[1], known=2)
 >>> acc.window_accuracy, acc.per_class()
 (0.3333333333333333, {0: (1, 2), 1: (1, 2)})
+>>> acc.score(predicted=[0, 1], labels=[0, 3], known=2, unknown=[True, True])
+>>> acc.unknown_known, acc.unknown_new
+(1, 1)
 """
 
 from __future__ import annotations
@@ -46,15 +50,21 @@ class OnlineAccuracy:
         self.correct = 0
         self.scored = 0
         self.new_class_samples = 0
+        self.unknown_known = 0  # samples of a known class called "none of these" (false alarms)
+        self.unknown_new = 0  # samples of a class never seen before called "none of these" (finds)
         self.class_correct: dict[int, int] = {}
         self.class_scored: dict[int, int] = {}
 
-    def score(self, predicted: Sequence[int], labels: Sequence[int], known: int) -> None:
-        """Count one batch: `predicted` by the model before its step; `known` classes it can answer."""
-        for guess, label in zip(predicted, labels):
+    def score(self, predicted: Sequence[int], labels: Sequence[int], known: int,
+              unknown: Sequence[bool] | None = None) -> None:
+        """Count one batch: `predicted` by the model before its step; `known` classes it can answer; `unknown`:
+        which it called "none of these"."""
+        for guess, label, far in zip(predicted, labels, unknown if unknown is not None else [False] * len(labels)):
             if label >= known:
                 self.new_class_samples += 1
+                self.unknown_new += bool(far)
                 continue
+            self.unknown_known += bool(far)
             hit = guess == label
             self.recent.append(hit)
             self.correct += hit
@@ -66,8 +76,13 @@ class OnlineAccuracy:
         """Test-then-train: `predictor` (a `service.serving.Predictor`, the model about to step) answers
         the batch, as the learner encoded it for its step (`encode_incoming`), before it trains on it."""
         known = len(predictor.classes)
-        predicted = predictor.probabilities_encoded(*encoded).argmax(1).tolist() if known else [-1] * len(labels)
-        self.score(predicted, labels, known)
+        if not known:
+            self.score([-1] * len(labels), labels, known)
+            return
+        probabilities, scores = predictor.answers_encoded(*encoded)
+        calibration = predictor.calibration
+        unknown = calibration.unknown(scores).tolist() if calibration is not None else None
+        self.score(probabilities.argmax(1).tolist(), labels, known, unknown)
 
     @property
     def accuracy(self) -> float | None:
@@ -90,6 +105,7 @@ class OnlineAccuracy:
     def state_dict(self) -> dict:
         return {"window": self.window, "recent": list(self.recent), "correct": self.correct, "scored": self.scored,
                 "new_class_samples": self.new_class_samples, "class_correct": dict(self.class_correct),
+                "unknown_known": self.unknown_known, "unknown_new": self.unknown_new,
                 "class_scored": dict(self.class_scored)}
 
     @classmethod
@@ -99,6 +115,7 @@ class OnlineAccuracy:
             acc.recent.extend(state["recent"])
             acc.correct, acc.scored = state["correct"], state["scored"]
             acc.new_class_samples = state["new_class_samples"]
+            acc.unknown_known, acc.unknown_new = state.get("unknown_known", 0), state.get("unknown_new", 0)
             acc.class_correct = {int(k): v for k, v in state["class_correct"].items()}
             acc.class_scored = {int(k): v for k, v in state["class_scored"].items()}
         return acc
@@ -107,6 +124,7 @@ class OnlineAccuracy:
         """The figures as /status shows them, classes by label."""
         return {"accuracy": self.accuracy, "window_accuracy": self.window_accuracy, "window": self.window,
                 "samples_scored": self.scored, "new_class_samples": self.new_class_samples,
+                "unknown": {"known_class_samples": self.unknown_known, "new_class_samples": self.unknown_new},
                 "per_class": by_label(classes, {c: {"accuracy": right / n, "samples": n}
                                                 for c, (right, n) in self.per_class().items()})}
 

@@ -107,16 +107,19 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
             raise NoSnapshotYet("no snapshot loaded yet")
         pixels = decode_images(blobs, snap.classifier.info.input_shape[1], settings.max_image_bytes,
                                settings.strict_image_size)
-        probs = snap.classifier.probabilities(pixels)
+        probs, scores, unknown = snap.classifier.answers(pixels)
         return {"snapshot_id": snap.id, "model_version": snap.classifier.info.model_version,
-                "results": top_k(probs, snap.classifier.info.labels, min(k, settings.max_top_k))}
+                "results": top_k(probs, snap.classifier.info.labels, min(k, settings.max_top_k)),
+                "unknown": unknown.tolist(),
+                "unknown_score": [None] * len(unknown) if scores is None else [round(float(s), 4) for s in scores]}
 
     @app.get("/predict", dependencies=[require(settings, "read")])
     async def get_predict(image: str = IMAGE_QUERY, k: int = K_QUERY):
         with metrics.predict_latency.time():
             result = await run_in_threadpool(answer, [decode_base64(image)], k)
         return {"snapshot_id": result["snapshot_id"], "model_version": result["model_version"],
-                "top": result["results"][0]}
+                "top": result["results"][0], "unknown": result["unknown"][0],
+                "unknown_score": result["unknown_score"][0]}
 
     @app.post("/predict", dependencies=[require(settings, "read")])
     async def post_predict(request: Request, k: int = K_QUERY):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from learner.heads.calibration import Calibration
 from learner.heads.head_choice import UNFITTED_POOL, serve
 from learner.heads.ncm import ncm_head
 from learner.methods.base import ContinualLearner
@@ -51,6 +52,8 @@ class Predictor:
     choice: torch.Tensor | None = None
     choice_summary: dict | None = None
     pool: tuple = UNFITTED_POOL  # the pooled candidate's (weight a class, temperature): `HeadChoice.pool_of`
+    # the temperature and "none of these" fitted on the held-back samples (`ContinualLearner.calibration`), or None
+    calibration: Calibration | None = None
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
@@ -69,7 +72,8 @@ class Predictor:
                    stream_head=None if chosen is None else (chosen[0][:n].clone(), chosen[1][:n].clone()),
                    choice=None if chosen is None else chosen[2][:n].clone(),
                    choice_summary=None if chosen is None else learner.head_choice.summary(),
-                   pool=(pool[0][:n].clone(), pool[1]) if chosen is not None else pool)
+                   pool=(pool[0][:n].clone(), pool[1]) if chosen is not None else pool,
+                   calibration=None if ncm is not None else learner.calibration(solve))
 
     @property
     def head_name(self) -> str:
@@ -84,25 +88,39 @@ class Predictor:
         return tuple(c for c in self.classes if c is not None)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return self.probabilities(images)
+        """Rows of uint8 images' class probabilities, each with its "none of these" score last (`answers`)."""
+        probabilities, scores = self.answers(images)
+        return torch.cat([probabilities, scores[:, None]], 1)
+
+    def answers(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class probabilities of uint8 images [n, 3, H, W] and their "none of these" scores (NaN without a
+        calibration), on the CPU whatever device the model is on."""
+        with torch.inference_mode():
+            return self.answers_encoded(*self.encode(images.to(self.head_weight.device)))
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
-        """Class probabilities of uint8 images [n, 3, H, W], on the CPU whatever device the model is on."""
-        with torch.inference_mode():
-            return self.probabilities_encoded(*self.encode(images.to(self.head_weight.device)))
+        return self.answers(images)[0]
 
     def probabilities_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
         """`probabilities` of images already through `encode` (the learner's own step encodes once)."""
+        return self.answers_encoded(stored, frozen)[0]
+
+    def answers_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`answers` of images already through `encode`."""
         with torch.inference_mode():
             features = self.features(stored, frozen).float()
             if self.normalize:
                 features = torch.nn.functional.normalize(features, dim=1)
-            probabilities = torch.softmax(torch.nn.functional.linear(features, self.head_weight, self.head_bias), 1)
+            logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
             if self.choice is not None:
                 streaming = torch.softmax(torch.nn.functional.linear(frozen.to(self.head_weight.device).float(),
                                                                      *self.stream_head), 1)
-                probabilities = serve(streaming, probabilities, self.choice, self.pool)
-            return probabilities.cpu()
+                logits = serve(streaming, torch.softmax(logits, 1), self.choice, self.pool).clamp_min(1e-30).log()
+            if self.calibration is None:
+                probabilities = torch.softmax(logits, 1)
+                return probabilities.cpu(), torch.full((len(logits),), float("nan"))
+            probabilities = self.calibration.probabilities(logits)
+            return probabilities.cpu(), self.calibration.unknown_score(probabilities, frozen).cpu()
 
 
 @dataclass(frozen=True)

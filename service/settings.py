@@ -150,6 +150,15 @@ class Settings(BaseSettings):
                                          "each stream step trained, the budget growing with the stream (0: no "
                                          "bound but the share); a memory replayed without end fits itself")
 
+    # probabilities that mean what they say, and "none of these" (learner.heads.calibration)
+    calibrate: bool | None = Field(None, description="divide the served logits by a temperature fitted on samples "
+                                   "held back from training (up to 20 a class, from its 20th on) and call an image "
+                                   "far from every learned class \"none of these\" (unknown in /predict and the "
+                                   "snapshot) (unset: on with lite0, off from scratch)")
+    unknown_false_alarm: float = Field(0.05, gt=0, lt=0.5, description="with ASER_CALIBRATE: the share of known "
+                                       "classes' photos that \"none of these\" flags (its threshold's quantile on "
+                                       "the held-back samples)")
+
     # sleep (learner.methods.sleep): while the device is idle, the top above the cut trains i.i.d.-style over the
     # latents of every sample it was sent (docs/operations.md#sleep)
     sleep: bool = Field(False, description="train the top in sleeps: after ASER_SLEEP_IDLE_S without a sample to "

@@ -62,7 +62,7 @@ class SnapshotSchedule:
                                      (p.head_weight, p.head_bias), p.head_name,
                                      self._calibration_images(p.trained_upto),
                                      self.settings.snapshot_int8_min_agreement,
-                                     None if p.choice is None else (*p.stream_head, p.choice))
+                                     None if p.choice is None else (*p.stream_head, p.choice), p.calibration)
 
     def _calibration_images(self, trained_upto: int) -> np.ndarray | None:
         """With ASER_SNAPSHOT_INT8: recent images for the int8 variant's calibration and check (None:

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.formats.snapshot import INPUT_NAME, OUTPUT_NAME, metadata_props
+from learner.formats.snapshot import INPUT_NAME, OUTPUT_NAME, UNKNOWN_OUTPUT, metadata_props
+from learner.heads.calibration import Calibration
 from learner.heads.head_choice import CANDIDATES, UNFITTED_POOL, serve
 from learner.methods.base import ContinualLearner
 from learner.networks.backbone import ScratchBackbone, backbone_of
@@ -57,7 +58,7 @@ class PixelsToLogits(nn.Module):
     def __init__(self, model: nn.Module, rows: list[int], head: tuple[torch.Tensor, torch.Tensor] | None = None,
                  normalize: bool = False, backbone=None, frozen_features: bool = False,
                  stream_head: tuple[torch.Tensor, torch.Tensor] | None = None, choice: list[int] | None = None,
-                 pool: tuple = UNFITTED_POOL):
+                 pool: tuple = UNFITTED_POOL, calibrated: Calibration | None = None):
         super().__init__()
         net = copy.deepcopy(model).float().to("cpu", memory_format=torch.contiguous_format)
         weight, bias = head if head is not None else (net.head.weight, net.head.bias)
@@ -66,26 +67,43 @@ class PixelsToLogits(nn.Module):
         backbone = backbone or ScratchBackbone((3, net.input_size, net.input_size))
         self.input_size = backbone.input_size
         self.chooses = choice is not None
-        if self.chooses:
+        self.calibrated = calibrated  # the temperature and "none of these": a second output
+        if calibrated is not None:  # the classes the floor spreads over, of the rows the graph answers
+            live = calibrated.live if calibrated.live is not None else torch.ones(max(rows) + 1, dtype=torch.bool)
+            self.register_buffer("live", live[rows].clone())
+        # "none of these" reads the frozen features where the learner's does (it has class means of them)
+        self.reads_frozen = calibrated is not None and calibrated.means is not None and not frozen_features
+        if self.chooses or self.reads_frozen:
             self.features = backbone.pixel_module(net, frozen_too=True)
+        else:
+            self.features = backbone.pixel_module(None if frozen_features else net)
+        if self.chooses:
             self.stream_head = _rows(*stream_head, rows)
             self.register_buffer("choice", torch.tensor([choice[r] for r in rows], dtype=torch.long))
             weights = torch.as_tensor(pool[0], dtype=torch.float32).broadcast_to((len(choice),))
             self.register_buffer("pool_weight", weights[rows].clone())  # `HeadChoice.pool_of`
             self.pool_temperature = float(pool[1])
-        else:
-            self.features = backbone.pixel_module(None if frozen_features else net)
         self.normalize = normalize
+        self.frozen_features = frozen_features
         self.eval()
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor):
+        logits, frozen = self._logits(pixels)
+        if self.calibrated is None:
+            return logits
+        probabilities = self.calibrated.probabilities(logits, self.live)
+        return probabilities.log(), self.calibrated.unknown_score(probabilities, frozen)
+
+    def _logits(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The served logits before calibration, and the frozen features where they were computed."""
         if self.chooses:
             top, frozen = self.features(pixels)
             trained, streaming = torch.softmax(self.head(top), 1), torch.softmax(self.stream_head(frozen), 1)
             served = serve(streaming, trained, self.choice, (self.pool_weight, self.pool_temperature))
-            return served.clamp_min(1e-30).log()
-        features = self.features(pixels)
-        return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features)
+            return served.clamp_min(1e-30).log(), frozen
+        features, frozen = self.features(pixels) if self.reads_frozen else (self.features(pixels), None)
+        frozen = features if self.frozen_features else frozen
+        return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features), frozen
 
 
 def _rows(weight: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> nn.Linear:
@@ -109,8 +127,9 @@ def export_onnx(net: PixelsToLogits, classes: list[str], path: Path, metadata: d
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's and the legacy exporter's deprecation notes
-        torch.onnx.export(net, (example,), buffer, dynamo=False, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, opset_version=17)
+        outputs = [OUTPUT_NAME] + [UNKNOWN_OUTPUT] * (net.calibrated is not None)
+        torch.onnx.export(net, (example,), buffer, dynamo=False, input_names=[INPUT_NAME], output_names=outputs,
+                          dynamic_axes={name: {0: "batch"} for name in (INPUT_NAME, *outputs)}, opset_version=17)
     model = onnx.load_from_string(buffer.getvalue())
     onnx.helper.set_model_props(model, metadata_props(classes, size, metadata))
     tmp = path.with_suffix(".onnx.tmp")
@@ -135,6 +154,7 @@ class ExportJob:
     stream_head: tuple[torch.Tensor, torch.Tensor] | None = None  # a measured choice: streaming LDA's head...
     choice: list[int] | None = None  # ... and each class's head (`learner.heads.head_choice.CANDIDATES`)
     pool: tuple = UNFITTED_POOL  # ... and the pooled candidate's (weight a class, temperature)
+    calibrated: Calibration | None = None  # the temperature and "none of these" (`learner.heads.calibration`)
     calibration: np.ndarray | None = None  # uint8 recent images: also an int8 variant (`quantise_snapshot`)
     min_agreement: float = 1.0  # ... kept when its top-1 agrees with the fp32 graph on this share of them
 
@@ -146,7 +166,8 @@ def run_export(job: ExportJob) -> dict:
     model = backbone.make_model(job.weights["head.weight"].shape[0], seed=0)
     model.load_state_dict(job.weights)
     export_onnx(PixelsToLogits(model, job.rows, job.head, job.normalize, backbone, job.frozen_features,
-                               job.stream_head, job.choice, job.pool), job.classes, job.path, job.metadata)
+                               job.stream_head, job.choice, job.pool, job.calibrated), job.classes, job.path,
+                job.metadata)
     done = {"size": job.path.stat().st_size, "int8": None}
     if job.calibration is not None:
         int8 = int8_path(job.path)
@@ -295,12 +316,14 @@ class SnapshotStore:
     def submit(self, learner: ContinualLearner, classes: list[str | None], version: int, steps: int, samples: int,
                reason: str, head: tuple[torch.Tensor, torch.Tensor] | None = None, head_name: str = "softmax",
                calibration: np.ndarray | None = None, min_agreement: float = 1.0,
-               chosen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Future:
+               chosen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               calibrated: Calibration | None = None) -> Future:
         """Queue an export of `learner`'s served network as it is now (the weights are copied here,
         between steps), with the head rows of `classes` that are not None (forgotten) of `head` (the
         served head; None: the network's own), and with `calibration` images an int8 variant kept
         where it agrees (`run_export`); with `chosen` (streaming LDA's weight and bias, each class's head) the
-        measured choice beside `head`; the future gives the snapshot's row, or raises SnapshotFailed."""
+        measured choice beside `head`; with `calibrated` the temperature inside the graph and its "none of these"
+        score a second output; the future gives the snapshot's row, or raises SnapshotFailed."""
         rows = [i for i, label in enumerate(classes) if label is not None]
         model = learner.serving_model
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
@@ -316,6 +339,8 @@ class SnapshotStore:
             weighed = rows if measured.pool_classes is None else [i for i in measured.pool_classes if i in rows]
             meta["head_pool"] = {**dict(zip(("weight", "temperature"), measured.pool)),
                                  "classes": [classes[i] for i in weighed]}
+        if calibrated is not None:  # what the second output's score is measured against
+            meta["calibration"] = calibrated.summary()
         job = ExportJob(weights, learner.backbone.identity(), learner.image_shape[1], [classes[i] for i in rows], rows,
                         self.directory / name, meta, head, normalize=head_name == "ncm",
                         frozen_features=head_name == "slda", calibration=calibration,
@@ -323,7 +348,8 @@ class SnapshotStore:
                         stream_head=None if chosen is None else
                         tuple(t.detach().to("cpu", copy=True) for t in chosen[:2]),
                         choice=None if chosen is None else chosen[2].tolist(),
-                        pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool_of(learner.num_classes))
+                        pool=UNFITTED_POOL if chosen is None else learner.head_choice.pool_of(learner.num_classes),
+                        calibrated=calibrated)
         self._count(in_flight=1)
         return self._thread.submit(self._export, job, created, reason)
 

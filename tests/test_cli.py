@@ -157,6 +157,33 @@ def test_errors_are_one_line_and_an_exit_code(server, folders, tmp_path):
     assert sleep.returncode == 1 and "sleep_off" in sleep.stderr
 
 
+def test_a_photo_of_no_learned_class_is_none_of_these(server, folders, tmp_path):
+    """Once each class holds enough samples back (80 tiles a class: 7 held back each), camera photos of another world
+    (scikit-image's, at 64 px) score above the classes' own test tiles and are mostly answered "none of these", the
+    tiles seldom; /status says what decides."""
+    import os
+
+    from skimage import data_dir
+
+    write_folder(tmp_path / "more", real_jpegs(EUROSAT_ZIP, 240, classes=CLASSES)[120:])
+    assert aser("add", tmp_path / "more", "--quiet", url=server.url).returncode == 0
+    st = settled(server)
+    assert st["config"]["calibrate"] and st["calibration"]["held_back"] == 21
+    assert st["calibration"]["temperature"] > 0 and st["calibration"]["unknown_threshold"] is not None
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
+                 "hubble_deep_field.jpg"):
+        Image.open(os.path.join(data_dir, name)).convert("RGB").save(photos / (name.split(".")[0] + ".jpg"))
+    strangers = json.loads(aser("predict", photos, "--json", url=server.url).stdout)
+    tiles = json.loads(aser("predict", folders / "test", "--json", url=server.url).stdout)
+    tile_scores = sorted(a["unknown_score"] for a in tiles)
+    assert all(a["unknown_score"] > tile_scores[len(tiles) // 2] for a in strangers), (strangers, tile_scores)
+    assert sum(a["unknown"] for a in strangers) >= 4 and sum(a["unknown"] for a in tiles) <= 3, (strangers, tiles)
+    assert all(a["unknown_score"] > st["calibration"]["unknown_threshold"] for a in strangers if a["unknown"])
+    assert "none of these" in aser("predict", photos, url=server.url).stdout
+
+
 def test_the_console_script_is_installed_and_serve_is_the_service():
     script = ROOT / ".venv" / "bin" / "aser"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "clients.cli"]

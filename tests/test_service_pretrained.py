@@ -104,14 +104,15 @@ def test_the_onnx_snapshot_is_the_whole_network_and_answers_as_predict(server, p
     clf = OnnxClassifier(httpx.get(f"{server.url}/snapshots/{r.json()['id']}").content)
     assert clf.input_shape == (3, 160, 160) and clf.labels == st["classes"]
     assert clf.metadata["backbone"] == "lite0" and clf.metadata["head"] == "slda"
+    assert json.loads(clf.metadata["calibration"]) == st["calibration"]  # the temperature is inside the graph
     _, images = held_out(photos)
-    ours = predict(server, images, k=3)
+    ours = predict(server, images, k=len(photos))
     assert ours["model_version"] == clf.model_version
-    for theirs, mine in zip(clf.predict([io.BytesIO(i) for i in images], k=3), ours["results"]):
-        assert np.allclose([t["probability"] for t in theirs], [t["probability"] for t in mine], atol=1e-3)
-        # LDA's posteriors are sharp: below the top the order of probabilities ~0 is the rounding's
-        assert [t["label"] for t in theirs if t["probability"] > 1e-3] == \
-            [t["label"] for t in mine if t["probability"] > 1e-3] and theirs[0]["label"] == mine[0]["label"]
+    for theirs, mine, score in zip(clf.answer([io.BytesIO(i) for i in images], k=len(photos)), ours["results"],
+                                   ours["unknown_score"]):
+        theirs_by_label = {t["label"]: t["probability"] for t in theirs["top"]}
+        assert all(abs(theirs_by_label[t["label"]] - t["probability"]) <= 1e-4 for t in mine), (theirs, mine)
+        assert abs(theirs["unknown_score"] - score) <= 1e-3
 
 
 def test_the_int8_variant_is_smaller_agrees_and_a_replica_serves_it(server, photos, tmp_path):

@@ -180,9 +180,11 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         r = httpx.post(f"{server.url}/sleep")
         assert r.status_code == 202 and r.json()["budget"] == 8 * st["sleep"]["new_samples"]
         # the sleep counted (/status reads it off the learner) and its model published (the worker publishes a moment
-        # later): the served choice's held-back accuracy is then the one the sleep measured
-        st = wait_for(server, lambda s: s["sleep"]["sleeps"] == 1 and s["sleep"]["last"]["held_after"]
-                      == s["head_choice"]["held_back"]["accuracy"].get("served"), "one sleep, published")
+        # later; each of the sleep's steps is a weights version, so the published model is that many versions on): the
+        # served choice's held-back accuracy is then the one the sleep measured
+        version = st["model_version"]
+        st = wait_for(server, lambda s: s["sleep"]["sleeps"] == 1 and s["sleep"]["last"] is not None
+                      and s["model_version"] >= version + s["sleep"]["last"]["steps"], "one sleep, published")
         last, held = st["sleep"]["last"], st["head_choice"]["held_back"]["accuracy"]
         assert last["updates"] == last["budget"] and last["kept"] and not last["yielded"]
         assert last["held_after"] >= last["held_before"] and held["served"] == last["held_after"]

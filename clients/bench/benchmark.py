@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "the trained top or their mean: learner.heads.head_choice), on the incoming samples, or "
                           "--choose-head held-back: on samples of every class held back from training "
                           "(learner.heads.held_back); every evaluation scores each too")
+    run.add_argument("--calibrate", action="store_true",
+                     help="divide the served logits by a temperature fitted on held-back samples and score \"none of "
+                          "these\" (learner.heads.calibration; the service's default)")
     run.add_argument("--head-prior", choices=CANDIDATES,
                      help="with --choose-head held-back: this head takes each measured class unless its held-back "
                           "samples show it worse (mix: the mean of streaming LDA's and the top's probabilities; "

@@ -60,6 +60,23 @@ def accuracy(client: ServiceClient, test: list[tuple[str, bytes]]) -> tuple[floa
     return round(100 * right / len(test), 2), answers
 
 
+def measured(client: ServiceClient, test: list[tuple[str, bytes]]) -> dict:
+    """/predict on (label, photo) pairs, every class's probability: the top-1 accuracy, how far the probabilities
+    mean what they say (`clients.bench.protocol.calibration_figures`) and the share called "none of these"."""
+    from .protocol import calibration_figures
+
+    labels, rows, unknown = sorted({label for label, _ in test}), [], 0
+    for i in range(0, len(test), 64):
+        answer = client.predict([p for _, p in test[i:i + 64]], k=20)
+        unknown += sum(answer.get("unknown", []))
+        for top in answer["results"]:  # every class the test has seen (k = 20: all of them here)
+            probabilities = {t["label"]: t["probability"] for t in top}
+            rows.append([probabilities.get(label, 0.0) for label in labels])
+    p, y = torch.tensor(rows), torch.tensor([labels.index(label) for label, _ in test])
+    return {"accuracy": round(100 * float((p.argmax(1) == y).float().mean()), 2),
+            "calibration": calibration_figures(p, y), "unknown_share": round(unknown / len(test), 4)}
+
+
 def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], tries: int = 5) -> dict:
     """Export a snapshot and compare it with /predict of the same model version (an idle refit of
     the served corrections may move the version between the two: then export again)."""
@@ -144,7 +161,7 @@ def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[
         send(client, train[sent:upto], rate, quiet)
         sent = upto
         status = client.drain()
-        found = {"accuracy": accuracy(client, test)[0], "serving_head": status["serving_head"],
+        found = {**measured(client, test), "serving_head": status["serving_head"],
                  "samples_trained": status["samples_trained"]}
         if point in ANYTIME_POINTS and sent == CLASSES_A_TASK * point:
             points[str(point)] = found
@@ -175,12 +192,17 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                 after_idle = None
                 if (sleep := slept(client)) is not None:  # the device idle: the service sleeps over what is new
                     status = client.drain()
-                    after_idle = {"accuracy": accuracy(client, test)[0], "sleep": sleep}
+                    after_idle = {**measured(client, test), "sleep": sleep}
                 parity = onnx_parity(client, service.url, test)
         finally:
             service.stop()
     anytime = {str(n): [task[str(n)]["accuracy"] for task in along if str(n) in task] for n in ANYTIME_POINTS}
+    ten_in = [task["10"]["calibration"] for task in along if "10" in task]
     return {"seed": seed, "final_accuracy": (after_idle or along[-1]["end"])["accuracy"],
+            "calibration": {"end": (after_idle or along[-1]["end"])["calibration"],
+                            "10": {k: round(sum(c[k] for c in ten_in) / len(ten_in), 4) for k in ten_in[0]}
+                            if ten_in else None},
+            "calibration_config": status.get("calibration"),
             **({"after_idle": after_idle} if after_idle else {}),
             "anytime": {n: round(sum(v) / len(v), 2) for n, v in anytime.items() if v},
             "tasks": along, "serving_head": status["serving_head"], "head_choice": status["head_choice"],

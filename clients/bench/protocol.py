@@ -249,7 +249,8 @@ def serving_options(args) -> dict:
     return {**({"serving_head": args.serving_head} if args.serving_head else {}),
             **({"trained_head_from": args.trained_head_from} if args.trained_head_from else {}),
             **({"choose_head": args.choose_head} if getattr(args, "choose_head", False) else {}),
-            **({"head_prior": args.head_prior} if getattr(args, "head_prior", None) else {})}
+            **({"head_prior": args.head_prior} if getattr(args, "head_prior", None) else {}),
+            **({"calibrate": True} if getattr(args, "calibrate", False) else {})}
 
 
 def stream_passes(args, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[list[int]], bool]:
@@ -330,7 +331,7 @@ class AnytimeProbe:
                 answers = {"anytime": served.argmax(1)}
             else:  # the served answer and each candidate's, from one pass
                 probabilities = learner.candidate_probabilities(self.test[0])
-                served = probabilities.pop("served")
+                served = learner.calibrated(probabilities.pop("served"))
                 answers = {"anytime": served.argmax(1),
                            **{f"anytime_{name}": p.argmax(1) for name, p in probabilities.items()}}
             run.setdefault("anytime_calibration", {}).setdefault(point, []).append(

@@ -164,6 +164,8 @@ class RunSpec:
             parts.append("chosen" if extra["choose_head"] is True else f"chosen{extra['choose_head'].replace('-', '')}")
         if extra.get("head_prior"):
             parts.append(f"prior{extra['head_prior']}")
+        if extra.get("calibrate"):
+            parts.append("cal")
         if extra.get("train_every", 1) != 1:
             parts.append(f"every{extra['train_every']}")
         if extra.get("optimizer", "sgd") != "sgd":

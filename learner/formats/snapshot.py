@@ -3,10 +3,13 @@ metadata keys, and how its logits become top-k labels. The exporter (`service.sn
 learner's and the replica's predictions, and the ONNX client (`clients.onnx_client`) all use it.
 
 A snapshot is an ONNX graph `pixels` (uint8 [n, 3, H, W], RGB, NCHW; the graph scales them to
-[0, 1] itself) -> `logits` (float32 [n, classes]), with string metadata: `labels` (JSON list, the
+[0, 1] itself) -> `logits` (float32 [n, classes]; calibrated where the service calibrates: their softmax is the
+probabilities `/predict` answers), and from a calibrated service `unknown_score` (float32 [n]: how unlike every
+learned class, `learner.heads.calibration`), with string metadata: `labels` (JSON list, the
 outputs in order), `input_shape` (JSON [3, H, W]), the names and layout above, and the
 exporter's own keys (model_version, steps, samples_trained, method, created, service_version: the
-package's version, as /openapi.json says it).
+package's version, as /openapi.json says it; `calibration`: the temperature, and the unknown_threshold past
+which an image is "none of these").
 
 >>> props = metadata_props(["cat", "dog"], 32, {"model_version": 7, "method": "aser-mu"})
 >>> info = SnapshotInfo.from_metadata(props)
@@ -32,6 +35,7 @@ import numpy as np
 
 INPUT_NAME = "pixels"
 OUTPUT_NAME = "logits"
+UNKNOWN_OUTPUT = "unknown_score"
 RESIZE_RULE = ("EXIF orientation applied, the centre square cropped, then resized to the input size (bilinear, "
                "antialiased); an image already at the input size is taken as it is")
 PREPROCESSING = (f"RGB image brought to the input size ({RESIZE_RULE}), pixels as uint8 in NCHW order; the graph "
@@ -229,7 +233,23 @@ class OnnxSnapshot:
         self.info = SnapshotInfo.from_metadata(self.session.get_modelmeta().custom_metadata_map)
 
     def logits(self, pixels: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {self.info.input_name: pixels})[0]
+        return self.session.run([OUTPUT_NAME], {self.info.input_name: pixels})[0]
 
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
         return softmax(self.logits(pixels))
+
+    @property
+    def unknown_threshold(self) -> float | None:
+        """The "none of these" score past which an image is unknown (None: never, or an uncalibrated snapshot)."""
+        return json.loads(self.info.metadata.get("calibration", "{}")).get("unknown_threshold")
+
+    def answers(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Class probabilities, "none of these" scores (None from an uncalibrated snapshot) and whether each image
+        is unknown, from one run of the graph."""
+        names = [o.name for o in self.session.get_outputs()]
+        outputs = self.session.run(names, {self.info.input_name: pixels})
+        scores = outputs[names.index(UNKNOWN_OUTPUT)] if UNKNOWN_OUTPUT in names else None
+        threshold = self.unknown_threshold
+        unknown = (scores > threshold) if scores is not None and threshold is not None \
+            else np.zeros(len(pixels), dtype=bool)
+        return softmax(outputs[names.index(OUTPUT_NAME)]), scores, unknown

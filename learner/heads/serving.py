@@ -104,7 +104,36 @@ class Serving:
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
 
     def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
-        """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones)."""
+        """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones); where the learner
+        calibrates, the logarithms of the calibrated probabilities (`calibration`)."""
+        logits = self._logits(images, batch_size, serving)
+        calibration = self.calibration() if serving else None
+        return logits if calibration is None else calibration.probabilities(logits.cpu()).log().to(logits.device)
+
+    def unknown_scores(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """"None of these" scores of images (`learner.heads.calibration.Calibration.unknown_score`); with
+        `calibrate` only."""
+        calibration = self.calibration()
+        probabilities = torch.softmax(self.logits(images, batch_size), 1).cpu()
+        frozen = None
+        if self.stream_head is not None:
+            frozen = self._eval_map(lambda x: x, images, batch_size, self.frozen_features).cpu()
+        return calibration.unknown_score(probabilities, frozen)
+
+    def calibrated(self, served: torch.Tensor) -> torch.Tensor:
+        """Served probabilities as `candidate_probabilities` gives them, calibrated (`calibration`)."""
+        calibration = self.calibration()
+        return served if calibration is None else calibration.probabilities(served.clamp_min(1e-30).log())
+
+    def served_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
+        """The served head's logits of stored latents (or images) and their frozen features, before calibration."""
+        if self.head_choice is not None:
+            return self.head_choice.compose(self.head_probabilities(stored, frozen)).clamp_min(1e-30).log()
+        if self.streams:
+            return self.solved_head().full_logits(frozen.cpu().float(), self.num_classes)
+        return self._logits(stored, 512, True)
+
+    def _logits(self, images: torch.Tensor, batch_size: int, serving: bool) -> torch.Tensor:
         if serving and self.head_choice is not None:  # the log of the served probabilities
             served = self.candidate_probabilities(images, batch_size).get("served", torch.zeros(0, self.num_classes))
             return served.to(self.device).clamp_min(1e-30).log()

@@ -16,8 +16,10 @@ from dataclasses import asdict
 import torch
 from torch.nn import functional as F
 
+from ..heads.calibration import FALSE_ALARM, Calibration, unit_means
 from ..heads.ema import WeightAverage
 from ..heads.head_choice import HeadChoice
+from ..heads.held_back import HeldBack
 from ..heads.serving import Serving
 from ..heads.streaming_lda import LinearHead, make_head
 from ..memory.buffer import pictures_of_admitted
@@ -40,6 +42,7 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 SERVING_BN = ("average", "memory")
 # what a learner counts, kept in its state
 COUNTERS = ("steps", "samples_seen", "samples_skipped", "samples_thinned", "rehearsal_steps", "lean_steps")
+CALIBRATE_EVERY = 50  # steps between calibrations of a served trained top (a choice's: when it is measured)
 # the step's form: the paper's plain SGD, or Adam (each parameter's step scaled by its gradient's running RMS)
 OPTIMIZERS = ("sgd", "adam")
 
@@ -54,7 +57,8 @@ class ContinualLearner(Serving, HeadClasses):
                  serving_bias: bool = False, backbone=None, serving_head: str | None = None,
                  trained_head_from: int | None = None, choose_head: bool | str = False, head_prior: str | None = None,
                  train_every: int = 1, optimizer: str = "sgd", head_lr: float | None = None,
-                 sleep: SleepConfig | None = None, sleep_store=None):
+                 sleep: SleepConfig | None = None, sleep_store=None, calibrate: bool = False,
+                 false_alarm: float = FALSE_ALARM):
         self.device = torch.device(device)
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -115,6 +119,12 @@ class ContinualLearner(Serving, HeadClasses):
             raise ValueError("head_prior is the choice on held-back samples' prior: it needs choose_head='held-back'")
         measure = "stream" if choose_head is True else choose_head
         self.head_choice = HeadChoice(measure=measure, prior=head_prior) if choose_head else None
+        # served probabilities divided by a temperature fitted on held-back samples, and "none of these"
+        # (`learner.heads.calibration`): the choice's held-back samples, or a set of its own
+        self.calibrate, self.false_alarm = calibrate, false_alarm
+        self._own_held = HeldBack() if calibrate and (self.head_choice is None or self.head_choice.held is None) \
+            else None
+        self._calibration: tuple | None = None  # (the solved head and the counts it was fitted at, the Calibration)
         # a sleep (`learner.methods.sleep`) trains the top over the latents of every sample trained on while idle
         self.sleeper = Sleeper(sleep, self.backbone.stored_shape, self.backbone.stored_dtype == torch.uint8, seed,
                                sleep_store) if sleep is not None else None
@@ -150,14 +160,13 @@ class ContinualLearner(Serving, HeadClasses):
         labels = labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         trains = self.train_every > 0 and self.steps % self.train_every == 0
-        if self.head_choice is not None:
-            if trains:  # scored where the top steps: its forward is part of what a skipped step saves
-                self._score_heads(images, frozen, labels)
-            if self.head_choice.held is not None:
-                pixels, images, frozen, labels = self._hold_back(pixels, images, frozen, labels)
-                if not labels.numel():  # all held back: nothing trains, the call still counts
-                    self.steps += 1
-                    return {}
+        if self.head_choice is not None and trains:  # scored where the top steps: a skipped step saves its forward
+            self._score_heads(images, frozen, labels)
+        if self.held_back is not None:
+            pixels, images, frozen, labels = self._hold_back(pixels, images, frozen, labels)
+            if not labels.numel():  # all held back: nothing trains, the call still counts
+                self.steps += 1
+                return {}
         self._update_stream_head(frozen, labels)
         self._keep_for_sleep(images, labels)
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
@@ -192,16 +201,16 @@ class ContinualLearner(Serving, HeadClasses):
     def _hold_back(self, pixels, images, frozen, labels):
         """Keep the samples `learner.heads.held_back` picks out of every head's training, choose the heads on
         all those held every `measure_every` steps and when a class arrives, and return the batch that trains."""
-        arrival = self.head_choice.held.brings_new_class(labels.cpu())
-        held = self.head_choice.held.hold_back(labels.cpu()).to(labels.device)
+        arrival = self.held_back.brings_new_class(labels.cpu())
+        held = self.held_back.hold_back(labels.cpu()).to(labels.device)
         if bool(held.any()):
-            self.head_choice.held.keep(images[held], frozen[held], labels[held])
+            self.held_back.keep(images[held], frozen[held] if frozen is not None else images[held], labels[held])
             self.samples_seen += int(held.sum())
         # a class's arrival makes it young, which bars the top alone: at once, not at the next mark
-        if arrival or self.steps % self.head_choice.measure_every == 0:
+        if self.head_choice is not None and (arrival or self.steps % self.head_choice.measure_every == 0):
             self.measure_held()
         keep = ~held
-        return pixels[keep], images[keep], frozen[keep], labels[keep]
+        return pixels[keep], images[keep], frozen[keep] if frozen is not None else None, labels[keep]
 
     def measure_held(self) -> bool:
         """Under a choice on held-back samples: fit the pool and choose each class's head on all of them, with the
@@ -215,6 +224,41 @@ class ContinualLearner(Serving, HeadClasses):
         choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), labels)
         self._held_measured_at = self.version
         return True
+
+    @property
+    def held_back(self) -> HeldBack | None:
+        """The samples kept out of every head's training: the head choice's, or calibration's own."""
+        if self.head_choice is not None and self.head_choice.held is not None:
+            return self.head_choice.held
+        return self._own_held
+
+    def calibration(self, solve: bool = True) -> Calibration | None:
+        """With `calibrate`: the temperature and "none of these" fitted on the held-back samples' served answers, fitted
+        again when the served head or the samples have changed; None without."""
+        if not self.calibrate:
+            return None
+        solved = self.solved_head(solve) if self.stream_head is not None else None
+        # the trained top's answers move every step: measured with the choice, or every CALIBRATE_EVERY steps
+        top = (None if self.streams else self._held_measured_at if self.head_choice is not None
+               else self.steps // CALIBRATE_EVERY)
+        key = (len(self.held_back), sum(self.held_back.seen.values()), top, self.num_classes, len(self.forgotten))
+        if self._calibration is None or self._calibration[0] is not solved or self._calibration[1] != key:
+            self._calibration = (solved, key, self._fit_calibration())
+        return self._calibration[2]
+
+    def _fit_calibration(self) -> Calibration:
+        held = self.held_back
+        means = None if self.stream_head is None else \
+            unit_means(self.stream_head.sums, self.stream_head.counts, self.num_classes)
+        live = torch.zeros(self.num_classes, dtype=torch.bool)
+        live[[c for c in held.seen if c < self.num_classes]] = True  # offered, not forgotten
+        if len(held):
+            stored, frozen, labels = held.stacked()
+            frozen = frozen if self.stream_head is not None else None
+            logits = self.served_logits(stored.to(self.device), frozen).cpu()
+        else:
+            logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
+        return Calibration.fit(logits, labels, sum(held.seen.values()), live, frozen, means, self.false_alarm)
 
     @property
     def held_measure_due(self) -> bool:
@@ -403,6 +447,7 @@ class ContinualLearner(Serving, HeadClasses):
             # the head as solved last: a resumed learner answers as the one that went on
             **({"solved_head": {"counts": self._solved[0], **asdict(self._solved[1])}} if self._solved else {}),
             **({"head_choice": self.head_choice.state_dict()} if self.head_choice is not None else {}),
+            **({"held_back": self._own_held.state_dict()} if self._own_held is not None else {}),
             **({"sleeper": self.sleeper.state_dict()} if self.sleeper is not None else {}),
             # plain SGD keeps no state; Adam's moments go on where the learner resumes
             **({"optimizer": {"kind": self.optimizer_name, "state": self.optimizer.state_dict()}}
@@ -433,6 +478,9 @@ class ContinualLearner(Serving, HeadClasses):
             self.stream_head.load_state_dict(state["stream_head"])
         if self.head_choice is not None and "head_choice" in state:
             self.head_choice.load_state_dict(state["head_choice"])
+        if self._own_held is not None and "held_back" in state:
+            self._own_held.load_state_dict(state["held_back"])
+        self._calibration = None
         if self.sleeper is not None and "sleeper" in state:
             self.sleeper.load_state_dict(state["sleeper"])
         solved = state.get("solved_head")

@@ -34,6 +34,8 @@ class HeadClasses:
             self._solved = None
         if self.head_choice is not None:
             self.head_choice.forget(class_id)
+        if self._own_held is not None:
+            self._own_held.forget(class_id)
         if self.sleeper is not None:
             self.sleeper.forget(class_id)
         self.version += 1

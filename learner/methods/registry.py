@@ -129,7 +129,8 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     cb-aser-mu-within), value the memory on cached features at most this many optimizer steps old
     (`learner.memory.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
     autocast_dtype, latent_dtype, compile, ema_decay, serving_bn, serving_bias, backbone, serving_head,
-    trained_head_from, choose_head, head_prior, train_every, optimizer, head_lr, sleep, sleep_store).
+    trained_head_from, choose_head, head_prior, train_every, optimizer, head_lr, sleep, sleep_store, calibrate,
+    false_alarm).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.

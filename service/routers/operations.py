@@ -50,7 +50,21 @@ class OnlineFigures(BaseModel):
     samples_scored: int
     new_class_samples: int = Field(description="samples of a class the model had not learned yet (not in the "
                                    "accuracies)")
+    unknown: dict[str, int] = Field(description="samples the model called \"none of these\" before its step: of a "
+                                    "known class (false alarms: known_class_samples) and of one it had not learned "
+                                    "(finds: new_class_samples)")
     per_class: dict[str, ClassAccuracy]
+
+
+class Calibrated(BaseModel):
+    temperature: float = Field(description="the served logits are divided by it (fitted on the held-back samples)")
+    floor: float = Field(description="the share of probability spread evenly over the classes offered: 1 / (n + 2) "
+                         "after n samples, so that no answer claims more certainty than they can give")
+    held_back: int = Field(description="samples held back from training it was fitted on (none: the prior's)")
+    false_alarm: float = Field(description="the share of known classes' photos \"none of these\" is set to flag "
+                               "(ASER_UNKNOWN_FALSE_ALARM)")
+    unknown_threshold: float | None = Field(description="an image whose unknown_score passes it is unknown (null: "
+                                            "too few held back to say, nothing is called unknown)")
 
 
 class Lag(BaseModel):
@@ -144,6 +158,8 @@ class Status(BaseModel):
     lag: Lag
     storage: Storage
     sleep: SleepStatus | None = Field(None, description="with ASER_SLEEP: the top's training while the device is idle")
+    calibration: Calibrated | None = Field(None, description="with ASER_CALIBRATE: what divides the served logits and "
+                                           "calls an image \"none of these\" (learner.heads.calibration)")
     uptime_s: float
 
 
@@ -201,6 +217,7 @@ def status(rt: Runtime) -> dict:
                 "lean_when_behind": worker.lag.lean_when_behind, "lean_steps": p.lean_steps},
         "storage": storage(rt),
         "sleep": sleep_status(worker, classes),
+        "calibration": p.calibration.summary() if p.calibration is not None else None,
         "uptime_s": round(time.time() - rt.started, 1),
     }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from learner.formats.snapshot import top_k
@@ -27,12 +27,17 @@ class Prediction(BaseModel):
     model_version: int
     steps: int
     top: list[Label]
+    unknown: bool = Field(description="far from every learned class: \"none of these\" (ASER_CALIBRATE)")
+    unknown_score: float | None = Field(description="how unlike every learned class (0: a typical photo of one; "
+                                        "unknown past the threshold /status gives); null without a calibration")
 
 
 class Predictions(BaseModel):
     model_version: int
     steps: int
     results: list[list[Label]]
+    unknown: list[bool] = Field(description="per image, as `results`: far from every learned class")
+    unknown_score: list[float | None] = Field(description="per image: how unlike every learned class")
 
 
 def predict(runtime: Runtime, blobs: list[bytes], k: int, settings: Settings) -> dict:
@@ -41,9 +46,14 @@ def predict(runtime: Runtime, blobs: list[bytes], k: int, settings: Settings) ->
     if not runtime.worker.predictor.labels:
         raise NoClassesYet("the model has not learned any class yet")
     # one forward pass with the requests arriving meanwhile, one model for all of them
-    predictor, probs = runtime.batcher.run(images)
+    predictor, rows = runtime.batcher.run(images)  # probabilities, then the "none of these" score
+    probs, scores = rows[:, :-1], rows[:, -1]
+    unknown = predictor.calibration.unknown(scores) if predictor.calibration is not None \
+        else torch.zeros(len(scores), dtype=torch.bool)
     return {"model_version": predictor.version, "steps": predictor.steps,
-            "results": top_k(probs.numpy(), predictor.classes, min(k, settings.max_top_k))}
+            "results": top_k(probs.numpy(), predictor.classes, min(k, settings.max_top_k)),
+            "unknown": unknown.tolist(),
+            "unknown_score": [None if s != s else round(s, 4) for s in scores.tolist()]}
 
 
 def router(settings: Settings, models: BodyModels) -> APIRouter:
@@ -56,7 +66,8 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
         metrics = request.app.state.metrics
         with metrics.predict_latency.time():
             answer = await run_in_threadpool(predict, request.app.state.runtime, [decode_base64(image)], k, settings)
-        return {"model_version": answer["model_version"], "steps": answer["steps"], "top": answer["results"][0]}
+        return {"model_version": answer["model_version"], "steps": answer["steps"], "top": answer["results"][0],
+                "unknown": answer["unknown"][0], "unknown_score": answer["unknown_score"][0]}
 
     @api.post("/predict", response_model=Predictions, dependencies=[require(settings, "read")],
               openapi_extra=models.predict_body(), responses=error_responses(400, 401, 403, 409, 413, 415, 422))

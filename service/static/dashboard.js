@@ -40,7 +40,9 @@ function counters(st) {
     ["classes", st.classes.length],
     ["online accuracy", pct(st.online.accuracy)],
     [`last ${st.online.window} samples`, pct(st.online.window_accuracy)],
-    ["new-class samples", st.online.new_class_samples], ["model version", st.model_version],
+    ["new-class samples", st.online.new_class_samples],
+    ["called none of these", `${st.online.unknown.known_class_samples} known, ` +
+      `${st.online.unknown.new_class_samples} new`], ["model version", st.model_version],
     ["worker restarts", st.worker.restarts],
   ];
   $("counters").innerHTML = items.map(([name, value]) =>
@@ -249,7 +251,9 @@ async function predictFile(file) {
     const answer = await (await call("predict", { method: "POST", headers: { "Content-Type": "application/json" },
                                                   body: JSON.stringify({ images: [data], k: 5 }) })).json();
     const top = answer.results[0];
-    out.innerHTML = `<img alt="query" src="data:${file.type};base64,${data}"><ol>` +
+    const unknown = answer.unknown && answer.unknown[0]
+      ? `<p class="unknown">None of these? This photo is far from every class learned.</p>` : "";
+    out.innerHTML = `<img alt="query" src="data:${file.type};base64,${data}">${unknown}<ol>` +
       top.map((r) => `<li><b>${esc(r.label)}</b> ${(100 * r.probability).toFixed(1)} %</li>`).join("") + "</ol>";
   } catch (error) {
     if (error instanceof Unauthorized) return askForToken();

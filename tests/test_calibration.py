@@ -1,0 +1,103 @@
+"""Probabilities that mean what they say, and "none of these" (learner.heads.calibration), in process on real data:
+streaming LDA on Lite0's frozen features learns Split EuroSAT tiles; the temperature fitted on its held-back samples
+brings the confidence down to the accuracy without moving an answer, and CIFAR-10 photos score as unknown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.metrics import auroc, expected_calibration_error
+
+from .conftest import EUROSAT_ZIP
+
+
+@pytest.fixture(scope="module")
+def encoded(cache_dir, cifar10_slice):
+    """6 classes of EuroSAT (200 training, 60 test tiles each) and CIFAR-10 test photos, as Lite0's pooled features
+    at 64 px."""
+    from clients.bench.latents import encoded_dataset
+    from learner.data import load_dataset
+    from learner.networks.backbone import make_backbone
+    from learner.networks.lite0 import POOLED
+
+    data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=200, test_per_class=60, cache_dir=cache_dir)
+    backbone = make_backbone("lite0", data.image_shape, 64, POOLED)
+    far = torch.cat([backbone.encode_with_features(x)[0] for x in cifar10_slice.test_x[::4].split(50)])
+    return encoded_dataset(data, backbone, cache_dir), far, backbone
+
+
+@pytest.fixture(scope="module")
+def learned(encoded):
+    from learner import make_learner
+    from learner.data import task_batches
+
+    data, _, backbone = encoded
+    learner = make_learner("slda", data.num_classes, backbone=backbone, seed=0, calibrate=True)
+    for task in ([0, 1], [2, 3], [4, 5]):
+        for x, y in task_batches(data, task, 10, torch.Generator().manual_seed(0)):
+            learner.observe(x, y)
+    return learner
+
+
+def test_the_temperature_brings_confidence_to_accuracy_and_moves_no_answer(encoded, learned):
+    data = encoded[0]
+    test = torch.isin(data.test_y, torch.arange(6))
+    x, y = data.test_x[test], data.test_y[test]
+    raw, calibrated = learned._logits(x, 512, True), learned.logits(x)
+    assert torch.equal(raw.argmax(1), calibrated.argmax(1))
+    calibration = learned.calibration()
+    assert calibration.held == len(learned.held_back) >= 6 * 10 and calibration.temperature > 1
+    before = expected_calibration_error(torch.softmax(raw, 1), y)
+    after = expected_calibration_error(torch.softmax(calibrated, 1), y)
+    assert after < before / 2 and after < 0.05, (before, after)
+    assert int((torch.softmax(calibrated, 1).max(1).values > 0.99).sum()) < int((torch.softmax(raw, 1).max(1).values
+                                                                                  > 0.99).sum())
+
+
+def test_photos_of_no_learned_class_are_none_of_these(encoded, learned):
+    data, far, _ = encoded
+    known = learned.unknown_scores(data.test_x[data.test_y < 6])
+    strangers = learned.unknown_scores(far)
+    assert auroc(known, strangers) > 0.95
+    calibration = learned.calibration()
+    false_alarms = float(calibration.unknown(known).float().mean())
+    assert false_alarms < 0.15 and float(calibration.unknown(strangers).float().mean()) > 0.5
+
+
+def test_a_restored_learner_answers_with_the_same_calibration(encoded, learned):
+    from learner import make_learner
+
+    data, _, backbone = encoded
+    restored = make_learner("slda", data.num_classes, backbone=backbone, seed=0, calibrate=True)
+    restored.load_state_dict(learned.state_dict())
+    assert restored.calibration().summary() == learned.calibration().summary()
+    x = data.test_x[:50]
+    assert torch.allclose(restored.logits(x), learned.logits(x))
+
+
+def test_a_forgotten_class_leaves_the_held_back_samples(encoded, learned):
+    import copy
+
+    learner = copy.deepcopy(learned)
+    held = len(learner.held_back)
+    learner.forget_class(0)
+    assert 0 not in learner.held_back.samples and len(learner.held_back) < held
+    assert learner.calibration().held == len(learner.held_back)
+
+
+def test_with_nothing_held_back_the_prior_keeps_the_first_answers_humble(encoded):
+    """Eight tiles a class: nothing is held back yet, the prior's temperature answers, and no photo of the
+    test set gets a probability of 1."""
+    from learner import make_learner
+    from learner.heads.calibration import PRIOR_TEMPERATURE
+
+    data, _, backbone = encoded
+    learner = make_learner("slda", data.num_classes, backbone=backbone, seed=0, calibrate=True)
+    for c in range(3):
+        learner.observe(data.train_x[data.train_y == c][:8], torch.full((8,), c))
+    calibration = learner.calibration()
+    assert calibration.held == 0 and calibration.threshold is None
+    assert calibration.temperature == pytest.approx(PRIOR_TEMPERATURE, rel=0.05)
+    probabilities = torch.softmax(learner.logits(data.test_x[data.test_y < 3]), 1)
+    assert float(probabilities.max()) < 1.0
