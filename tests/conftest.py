@@ -38,6 +38,18 @@ def cifar10_more(cache_dir):
     return load_dataset("cifar10", CIFAR10_ZIP, train_per_class=500, test_per_class=100, cache_dir=cache_dir)
 
 
+@pytest.fixture(scope="session")
+def eurosat_latents(cache_dir):
+    """Split EuroSAT, 120 training and 40 test tiles a class, as cut-11 latents at 64 px, and the backbone."""
+    from clients.bench.latents import encoded_dataset
+    from learner.data import load_dataset
+    from learner.networks.backbone import make_backbone
+
+    data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=120, test_per_class=40, cache_dir=cache_dir)
+    backbone = make_backbone("lite0", data.image_shape, 64, 11, 16)
+    return encoded_dataset(data, backbone, cache_dir), backbone
+
+
 # The longest a request to a test server may take on a busy machine: DELETE /classes and POST
 # /snapshots wait up to ASER_SNAPSHOT_TIMEOUT_S (120 s) for the worker; httpx's default is 5 s.
 HTTP_TIMEOUT_S = 180.0

@@ -19,18 +19,6 @@ from .test_service import Server, status
 CLASSES = ["AnnualCrop", "Forest", "Highway", "SeaLake"]
 
 
-@pytest.fixture(scope="module")
-def eurosat_latents(cache_dir):
-    """4 classes of Split EuroSAT, 120 training and 40 test tiles each, as cut-11 latents at 64 px."""
-    from clients.bench.latents import encoded_dataset
-    from learner.data import load_dataset
-    from learner.networks.backbone import make_backbone
-
-    data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=120, test_per_class=40, cache_dir=cache_dir)
-    backbone = make_backbone("lite0", data.image_shape, 64, 11, 16)
-    return encoded_dataset(data, backbone, cache_dir), backbone
-
-
 def sleeping_learner(backbone, train_every: int = 0, **sleep):
     from learner import make_learner
     from learner.methods.sleep import SleepConfig
