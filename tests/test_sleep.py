@@ -73,6 +73,22 @@ def test_a_sleep_teaches_the_top_what_the_store_holds_and_keeps_what_the_held_ba
     assert learner.sleep().updates == 0  # nothing new: nothing to do
 
 
+def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(eurosat_latents, streamed):
+    """With the top trained only in sleeps, the memory's KNN-SVs are taken on the frozen network's pooled features
+    (those streaming LDA reads): the memory's cached features are exactly them, under the frozen space's version."""
+    from learner.methods.base import FROZEN_SPACE_VERSION
+
+    data, backbone = eurosat_latents
+    learner = after_the_stream(backbone, streamed)
+    learner.observe(data.train_x[data.train_y == 0][-10:], torch.zeros(10, dtype=torch.long))  # a full class: values
+    buffer, n = learner.buffer, len(learner.buffer)
+    assert learner.values_frozen and n == 100
+    cached = buffer.feature_version[:n] == FROZEN_SPACE_VERSION
+    assert bool(cached.any()) and bool((cached | (buffer.feature_version[:n] < 0)).all())  # no top's features
+    expected = learner.frozen_features(buffer.images[:n][cached]).float()
+    assert torch.allclose(buffer.features[:n][cached].float(), expected, atol=1e-3)
+
+
 def test_a_sleep_that_wrecks_the_top_never_serves_worse_on_the_held_back_samples(eurosat_latents, streamed):
     from learner.methods.sleep import _served_right_on_held, shown_worse
 

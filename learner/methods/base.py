@@ -42,6 +42,9 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 SERVING_BN = ("average", "memory")
 # what a learner counts, kept in its state
 COUNTERS = ("steps", "samples_seen", "samples_skipped", "samples_thinned", "rehearsal_steps", "lean_steps")
+# the weights version the frozen network's features are cached under: above any trained one, so that features of
+# another space left in the memory's cache read as stale, and never stale themselves
+FROZEN_SPACE_VERSION = 2**62
 CALIBRATE_EVERY = 50  # steps between calibrations of a served trained top (a choice's: when it is measured)
 # the step's form: the paper's plain SGD, or Adam (each parameter's step scaled by its gradient's running RMS)
 OPTIMIZERS = ("sgd", "adam")
@@ -58,7 +61,7 @@ class ContinualLearner(Serving, HeadClasses):
                  trained_head_from: int | None = None, choose_head: bool | str = False, head_prior: str | None = None,
                  train_every: int = 1, optimizer: str = "sgd", head_lr: float | None = None,
                  sleep: SleepConfig | None = None, sleep_store=None, calibrate: bool = False,
-                 false_alarm: float = FALSE_ALARM):
+                 false_alarm: float = FALSE_ALARM, frozen_values: bool | None = None):
         self.device = torch.device(device)
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -122,6 +125,9 @@ class ContinualLearner(Serving, HeadClasses):
         # served probabilities divided by a temperature fitted on held-back samples, and "none of these"
         # (`learner.heads.calibration`): the choice's held-back samples, or a set of its own
         self.calibrate, self.false_alarm = calibrate, false_alarm
+        # where ASER's values are taken (`values_frozen`): None, in the frozen network's space while the top does not
+        # step awake, else in the top's
+        self.frozen_values = frozen_values
         self._own_held = HeldBack() if calibrate and (self.head_choice is None or self.head_choice.held is None) \
             else None
         self._calibration: tuple | None = None  # (the solved head and the counts it was fitted at, the Calibration)
@@ -131,6 +137,7 @@ class ContinualLearner(Serving, HeadClasses):
         if self.sleeper is not None and self.head_choice is not None and train_every == 0:
             self.head_choice.top_classes = self.sleeper.top_classes  # the top knows only what a sleep taught it
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
+        self._incoming_batch = None  # (stored, frozen) of the batch being learned (`frozen_extract`)
         self._held_measured_at: int | None = None  # the weights version the held-back samples were last measured at
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
@@ -169,7 +176,7 @@ class ContinualLearner(Serving, HeadClasses):
                 return {}
         self._update_stream_head(frozen, labels)
         self._keep_for_sleep(images, labels)
-        with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
+        with pictures_of_admitted(getattr(self, "buffer", None), pixels, images), self._incoming(images, frozen):
             if not trains:
                 self._pass_through(images, labels, lean)
                 stats = {}
@@ -310,7 +317,8 @@ class ContinualLearner(Serving, HeadClasses):
         step = batch_size or labels.numel()
         with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
             for i in range(0, labels.numel(), step):
-                self._pass_through(images[i:i + step], labels[i:i + step], lean)
+                with self._incoming(images[i:i + step], None if frozen is None else frozen[i:i + step]):
+                    self._pass_through(images[i:i + step], labels[i:i + step], lean)
         self.samples_skipped += images.shape[0]
 
     def _pass_through(self, images: torch.Tensor, labels: torch.Tensor, lean: bool) -> None:
@@ -345,9 +353,39 @@ class ContinualLearner(Serving, HeadClasses):
         """Optional hint: the current task has ended."""
 
     # --- helpers shared by the methods -------------------------------------------------
+    @property
+    def values_frozen(self) -> bool:
+        """Whether ASER's values are taken in the frozen network's feature space (`frozen_values`; unset: where the
+        top trains only in sleeps, `train_every` 0, and a streaming head reads those features: every incoming sample
+        has them already, and the top's own would cost a second pass over the upper blocks for a space no step
+        uses)."""
+        if self.stream_head is None:
+            return False
+        return self.train_every == 0 if self.frozen_values is None else self.frozen_values
+
+    @contextmanager
+    def _incoming(self, stored: torch.Tensor, frozen: torch.Tensor | None):
+        """The batch being learned and its frozen features, which `frozen_extract` hands back instead of recomputing."""
+        self._incoming_batch = (stored, frozen)
+        try:
+            yield
+        finally:
+            self._incoming_batch = None
+
+    def frozen_extract(self, stored: torch.Tensor) -> torch.Tensor:
+        """The frozen network's pooled features of stored latents: the incoming batch's as already computed."""
+        incoming = self._incoming_batch
+        if incoming is not None and incoming[1] is not None and stored.shape == incoming[0].shape \
+                and stored.data_ptr() == incoming[0].data_ptr():
+            return incoming[1].float()
+        return self.frozen_features(stored).float()
+
     def step_context(self, buffer, eligible: torch.Tensor | None = None) -> StepContext:
-        """What memory policies see of this learner during a step, under the current weights."""
-        return StepContext(latent=Latent(self.extract, buffer, self.version), generator=self.generator,
+        """What memory policies see of this learner during a step, under the current weights (or, `values_frozen`,
+        in the frozen network's space)."""
+        latent = Latent(self.frozen_extract, buffer, FROZEN_SPACE_VERSION) if self.values_frozen \
+            else Latent(self.extract, buffer, self.version)
+        return StepContext(latent=latent, generator=self.generator,
                            model=self.model, lr=self.lr, num_classes=self.num_classes, to_input=self.to_input,
                            eligible=eligible)
 

@@ -130,7 +130,7 @@ def make_learner(method: str, num_classes: int, mem_size: int = 1000, dataset: s
     (`learner.memory.balanced`). kwargs go to the learner (lr, device, seed, image_shape, channels_last,
     autocast_dtype, latent_dtype, compile, ema_decay, serving_bn, serving_bias, backbone, serving_head,
     trained_head_from, choose_head, head_prior, train_every, optimizer, head_lr, sleep, sleep_store, calibrate,
-    false_alarm).
+    false_alarm, frozen_values).
     N_c follows the reference: S_sub and the retrieval candidates take N_c / num_classes
     samples of each class (or `per_class`, for a stream whose class count is unknown); the
     update draws N_c random memory candidates.

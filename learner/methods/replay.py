@@ -33,7 +33,7 @@ from ..memory.buffer import ReplayBuffer
 from ..memory.latent import Latent
 from ..memory.policy import MemoryRetrieval, MemoryUpdate, StepContext
 from .augment import Augment
-from .base import ContinualLearner
+from .base import FROZEN_SPACE_VERSION, ContinualLearner
 from .objective import ReplayObjective
 
 
@@ -129,8 +129,8 @@ class ReplayLearner(ContinualLearner):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.buffer.load_state_dict(state["buffer"])
-        valid = self.buffer.feature_version >= 0
-        self.buffer.feature_version[valid] += 1  # the learner's versions moved one on at the load
+        valid = (self.buffer.feature_version >= 0) & (self.buffer.feature_version < FROZEN_SPACE_VERSION)
+        self.buffer.feature_version[valid] += 1  # the learner's versions moved one on at the load (not the frozen's)
         self.update_policy.load_state_dict(state["update"])
 
         if self.augment is not None and "augment" in state:
