@@ -10,8 +10,9 @@ pretrained part's latents; a learner takes either images or their stored form.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from torch.nn import functional as F
@@ -248,10 +249,13 @@ class ContinualLearner(Serving, HeadClasses):
         # the trained top's answers move every step: measured with the choice, or every CALIBRATE_EVERY steps
         top = (None if self.streams else self._held_measured_at if self.head_choice is not None
                else self.steps // CALIBRATE_EVERY)
-        key = (len(self.held_back), sum(self.held_back.seen.values()), top, self.num_classes, len(self.forgotten))
+        offered = sum(self.held_back.seen.values())
+        # fitted again as the samples offered grow by a fifth (the floor's scale), not at every batch
+        key = (len(self.held_back), len(self.held_back.seen), int(4 * math.log2(offered + 2)), top, self.num_classes,
+               len(self.forgotten))
         if self._calibration is None or self._calibration[0] is not solved or self._calibration[1] != key:
             self._calibration = (solved, key, self._fit_calibration())
-        return self._calibration[2]
+        return replace(self._calibration[2], floor=1 / (offered + 2))
 
     def _fit_calibration(self) -> Calibration:
         held = self.held_back
