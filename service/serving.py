@@ -101,12 +101,8 @@ class Predictor:
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         return self.answers(images)[0]
 
-    def probabilities_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
-        """`probabilities` of images already through `encode` (the learner's own step encodes once)."""
-        return self.answers_encoded(stored, frozen)[0]
-
     def answers_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`answers` of images already through `encode`."""
+        """`answers` of images already through `encode` (the learner's own step encodes once)."""
         with torch.inference_mode():
             features = self.features(stored, frozen).float()
             if self.normalize:
