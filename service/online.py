@@ -3,8 +3,8 @@
 Every labelled sample is scored by the model that is about to train on it, before the step, so
 the stream itself is the test set. Samples of a class the head has never seen cannot be right;
 they are counted apart (`new_class_samples`) and left out of the accuracies. Samples the model called "none of
-these" (`learner.heads.calibration`) are counted apart too: of a known class a false alarm, of a new one a find. The figures are kept
-cumulatively, over a sliding window of the last N scored samples, and per class; their state
+these" (`learner.heads.calibration`) are counted apart too: of a known class a false alarm, of a new one a find.
+The figures are kept cumulatively, over a sliding window of the last N scored samples, and per class; their state
 travels with the checkpoint (so a restart resumes them in step with the model), and a point
 every few steps goes to the `history` table, which only ever grows forwards.
 
