@@ -10,9 +10,9 @@ import textwrap
 import uvicorn
 from pydantic import ValidationError
 
-from .guard import is_loopback
-from .server import bound_the_heap, quiet_probes, with_header_timeout
-from .settings import Settings
+from service.settings import Settings
+from service.web.guard import is_loopback
+from service.web.server import bound_the_heap, quiet_probes, with_header_timeout
 
 
 def usage(what: str) -> str:
@@ -72,8 +72,8 @@ def serve(make_app, what: str = "service", check=None) -> int:
 
 
 def main() -> int:
-    from .app import create_app  # here, not above: the replica serves through this module without torch
-    from .lineage import check_learner
+    from service.learning.lineage import check_learner
+    from service.web.app import create_app  # here, not above: the replica serves through this module without torch
 
     return serve(create_app, "service", check_learner)  # what a replica does not need
 

@@ -104,7 +104,8 @@ class Metrics:
         self.replayed_incoming.inc(float(stats.get("replayed_incoming", 0)))
 
     def observe_skip(self, samples: int, thinned: int) -> None:
-        """Samples skipped over the lag bound (`service.lag_bound`), of which `thinned` skipped the memory too."""
+        """Samples skipped over the lag bound (`service.learning.lag_bound`), of which
+        `thinned` skipped the memory too."""
         self.samples_skipped.inc(samples)
         self.samples_thinned.inc(thinned)
 

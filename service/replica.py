@@ -24,15 +24,14 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from learner.formats.snapshot import OnnxSnapshot, top_k
-
-from .errors import NoSnapshotYet
-from .guard import WebPageGuard, allowed_hosts
-from .inputs import decode_base64, decode_images
-from .metrics import Metrics
-from .routers.auth import require
-from .routers.bodies import IMAGE_QUERY, K_QUERY, BodyModels, predict_request_images
-from .routers.errors import BodyLimit, install_error_handlers
-from .settings import Settings
+from service.metrics import Metrics
+from service.settings import Settings
+from service.storage.errors import NoSnapshotYet
+from service.web.guard import WebPageGuard, allowed_hosts
+from service.web.inputs import decode_base64, decode_images
+from service.web.routers.auth import Access
+from service.web.routers.bodies import IMAGE_QUERY, K_QUERY, BodyModels, predict_request_images
+from service.web.routers.errors import BodyLimit, install_error_handlers
 
 log = logging.getLogger("aser.replica")
 
@@ -99,7 +98,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                        deadline_s=settings.body_deadline_s)
     app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host))
     install_error_handlers(app, metrics)
-    models = BodyModels(settings)
+    models, access = BodyModels(settings), Access(settings)
 
     def answer(blobs: list[bytes], k: int) -> dict:
         snap = follower.current  # one snapshot for the whole request
@@ -113,7 +112,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                 "unknown": unknown.tolist(),
                 "unknown_score": [None] * len(unknown) if scores is None else [round(float(s), 4) for s in scores]}
 
-    @app.get("/predict", dependencies=[require(settings, "read")])
+    @app.get("/predict", dependencies=[access.require("read")])
     async def get_predict(image: str = IMAGE_QUERY, k: int = K_QUERY):
         with metrics.predict_latency.time():
             result = await run_in_threadpool(answer, [decode_base64(image)], k)
@@ -121,7 +120,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                 "top": result["results"][0], "unknown": result["unknown"][0],
                 "unknown_score": result["unknown_score"][0]}
 
-    @app.post("/predict", dependencies=[require(settings, "read")])
+    @app.post("/predict", dependencies=[access.require("read")])
     async def post_predict(request: Request, k: int = K_QUERY):
         blobs, k_body = await predict_request_images(request, models)
         with metrics.predict_latency.time():
@@ -138,7 +137,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                                 status_code=503)
         return {"status": "ready"}
 
-    @app.get("/status", dependencies=[require(settings, "read")])
+    @app.get("/status", dependencies=[access.require("read")])
     async def status():
         snap = follower.current
         return {"source": settings.replica_source, "snapshot_id": snap and snap.id,
@@ -147,7 +146,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
                 "classes": snap.classifier.info.labels if snap else [], "last_error": follower.last_error,
                 "uptime_s": round(time.time() - app.state.started, 1)}
 
-    @app.get("/metrics", dependencies=[require(settings, "read")])
+    @app.get("/metrics", dependencies=[access.require("read")])
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -157,7 +156,7 @@ def create_replica_app(settings: Settings | None = None) -> FastAPI:
 
 
 def main() -> int:
-    from .__main__ import serve
+    from service.__main__ import serve
 
     return serve(create_replica_app, "service.replica")
 

@@ -1,5 +1,5 @@
 """All service settings in one place: environment variables prefixed ASER_, or a .env file. Plain validated
-data: which learner they make with a data directory is answered once, at start-up, by `service.lineage`.
+data: which learner they make with a data directory is answered once, at start-up, by `service.learning.lineage`.
 
 >>> Settings(method="er").method
 'er'
@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     # the learner: ASER's KNN-SV values choosing within a class-balanced memory (cb-sv-duel: CBRS's admission,
     # the lower-valued of two random members of the class leaves), random retrieval, the ACE loss and a moving
     # average, the paper's CIFAR-10 settings; from scratch also augmentation and 2 iterations (TUNED_DEFAULTS), on
-    # the pretrained backbone streaming LDA serving (PRETRAINED_DEFAULTS, `service.lineage`). The backbone is
+    # the pretrained backbone streaming LDA serving (PRETRAINED_DEFAULTS, `service.learning.lineage`). The backbone is
     # EfficientNet-Lite0's ImageNet weights since 2026-11-28 (docs/results/pretrained.md, rule 4: +17.7 A_T and +26.9
     # at ten images of a new class over the from-scratch default, at its CPU cost). What a data directory's lineage was
     # trained with goes on where these leave it unset: a directory made from scratch goes on from scratch.
@@ -174,7 +174,7 @@ class Settings(BaseSettings):
     sleep_store_mb: float = Field(512.0, gt=0, description="with ASER_SLEEP: the latent store's size on disk; when full, "
                                   "a new sample evicts a random one of the largest class")
 
-    # retention (service.retention): the ingest log's disk stays bounded for months
+    # retention (service.storage.retention): the ingest log's disk stays bounded for months
     retain_pixels_s: float = Field(86400.0, ge=0, description="drop the pixels of samples a checkpoint has trained "
                                    "on once they are this old (the memory keeps its own copies)")
     retain_max_mb: float = Field(1024.0, ge=0, description="and, oldest first, while the database is larger than "

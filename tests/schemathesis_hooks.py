@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from schemathesis.transport.serialization import Binary
 
-from service.routers.bodies import LABEL_PATTERN
+from service.web.routers.bodies import LABEL_PATTERN
 
 ZIP = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "cifar10-jpeg.zip"
 

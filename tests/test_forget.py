@@ -101,9 +101,9 @@ def test_a_checkpoint_from_before_the_forgetting_restores_without_the_class(tmp_
 
     from learner import make_learner
     from learner.data import task_batches
-    from service.checkpoints import CheckpointStore
-    from service.db import Database
-    from service.store import IngestLog, NewSample
+    from service.storage.checkpoints import CheckpointStore
+    from service.storage.db import Database
+    from service.storage.store import IngestLog, NewSample
 
     db = Database(tmp_path / "aser.db")
     log, checkpoints = IngestLog(db, (3, 32, 32)), CheckpointStore(db, tmp_path / "checkpoints")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import service
-from service.durable import write_durably
+from service.storage.durable import write_durably
 
 from .test_service import Server, b64, jpegs, status, wait_trained  # noqa: F401  (jpegs: a fixture)
 

@@ -16,8 +16,8 @@ from learner import make_learner
 from learner.heads.head_choice import CANDIDATES, HeadChoice, candidates, compose, fit_pool, pooled
 from learner.heads.held_back import HeldBack, paired_search
 from learner.networks.backbone import PretrainedBackbone
-from service.serving import Predictor
-from service.snapshots import PixelsToLogits, export_onnx
+from service.learning.serving import Predictor
+from service.storage.snapshots import PixelsToLogits, export_onnx
 
 
 def chosen_learner(cut: int = 12, seed: int = 0):

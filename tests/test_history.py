@@ -3,8 +3,8 @@ than one small batch (issue 39, item 12). A real SQLite file."""
 
 from contextlib import contextmanager
 
-from service.db import Database
-from service.online import History, HistoryPoint
+from service.learning.online import History, HistoryPoint
+from service.storage.db import Database
 
 
 def point(n: int, labels=("cat", "dog")) -> HistoryPoint:

@@ -1,6 +1,7 @@
 """The code's dependencies point one way: no module imports, at any depth or inside a function, one that
 imports it back; `learner/` knows nothing of the service or the clients, the service nothing of the clients;
-and inside `learner/` each folder imports only the ones its `__init__` names (docs/learner.md)."""
+and inside `learner/` and `service/` each folder imports only the ones its `__init__` names (docs/learner.md,
+docs/operations.md)."""
 
 import ast
 from pathlib import Path
@@ -12,6 +13,9 @@ PACKAGES = ("learner", "service", "clients")
 # what each of learner's folders may import of the rest of learner (the top-level modules: `formats`, None)
 LEARNER_LAYERS = {"formats": set(), "networks": set(), "memory": {"networks"}, "heads": {"networks"},
                   "methods": {"networks", "memory", "heads"}, None: {"formats"}}
+# the same for service's folders; its top-level modules (settings, metrics, the two programs) may import any
+SERVICE_LAYERS = {"storage": set(), "learning": {"storage"}, "web": {"learning", "storage"}}
+SERVICE_SHARED = {"service", "service.settings", "service.metrics"}  # what every folder may read
 
 
 def module_name(path: Path) -> str:
@@ -96,6 +100,19 @@ def test_each_learner_folder_imports_only_the_folders_below_it():
     assert not wrong
 
 
+def test_each_service_folder_imports_only_the_folders_below_it():
+    wrong = []
+    for m, deps in GRAPH.items():
+        parts = m.split(".")
+        if parts[0] != "service" or len(parts) < 3 or parts[1] not in SERVICE_LAYERS:
+            continue
+        allowed = SERVICE_LAYERS[parts[1]] | {parts[1]}
+        wrong += [f"{m} -> {d}" for d in deps if d.startswith("service") and d not in SERVICE_SHARED
+                  and (d.count(".") < 2 or d.split(".")[1] not in allowed)]
+    assert not wrong
+    assert all(any(m.startswith(f"service.{f}.") for m in GRAPH) for f in SERVICE_LAYERS)  # the folders exist
+
+
 def test_the_checker_finds_a_cycle():
     """The check above can fail: a cycle added to the graph is found."""
     saved = {k: set(v) for k, v in GRAPH.items()}
@@ -110,16 +127,18 @@ def test_the_checker_finds_a_cycle():
 def test_start_up_asks_which_learner_once_and_hands_the_answer_down(tmp_path):
     """From `create_app` down, the settings object reaches each module along one path at most once (no
     A -> B -> A), and the lineage only from the app's check and the runtime's start-up: the worker receives
-    the answer (`LearnerSpec`), not the settings and a question (the worker once asked it again)."""
+    the answers (`LearnerSpec`, `LoopSpec`), not the settings and a question (the worker once asked it again).
+    In the order of the calls, the settings walk returns to a module it had left only for the lineage's two
+    questions (it returned 12 times when the worker and each router read the settings themselves)."""
     import sys
 
-    from service.app import create_app
+    from service.learning.runtime import Runtime
     from service.metrics import Metrics
-    from service.runtime import Runtime
     from service.settings import Settings
+    from service.web.app import create_app
 
     settings = Settings(data_dir=tmp_path, backbone="scratch", device="cpu")
-    paths = set()
+    paths, walk = set(), []
 
     def record(frame, event, arg):
         if not frame.f_globals.get("__name__", "").startswith("service"):
@@ -128,6 +147,7 @@ def test_start_up_asks_which_learner_once_and_hands_the_answer_down(tmp_path):
         given = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
         if frame.f_locals.get("self") is settings or not any(a is settings for a in given):
             return
+        walk.append(frame.f_globals["__name__"])
         path = []
         while frame is not None:
             module = frame.f_globals.get("__name__", "")
@@ -143,7 +163,11 @@ def test_start_up_asks_which_learner_once_and_hands_the_answer_down(tmp_path):
     finally:
         sys.settrace(None)
     runtime.close()
-    assert ("service.runtime", "service.worker") in paths  # the trace saw the start-up
+    assert ("service.learning.runtime", "service.learning.worker") in paths  # the trace saw the start-up
     assert [p for p in paths if len(set(p)) < len(p)] == []
-    assert {p for p in paths if "service.lineage" in p} == {("service.app", "service.lineage"),
-                                                           ("service.runtime", "service.lineage")}
+    assert {p for p in paths if "service.learning.lineage" in p} == {("service.web.app", "service.learning.lineage"),
+                                                                     ("service.learning.runtime",
+                                                                      "service.learning.lineage")}
+    rooms = [m for i, m in enumerate(walk) if i == 0 or walk[i - 1] != m]
+    returns = [m for i, m in enumerate(rooms) if m in rooms[:i]]
+    assert len(returns) <= 2 and set(returns) <= {"service.learning.lineage", "service.learning.runtime"}, returns

@@ -1,12 +1,12 @@
-"""The sleep's latent store: in memory (learner.memory.latent_store) and on disk (service.latent_store) alike, bounded
-and class-balanced, 8 bits within a scale of the latent, and on disk following the lineage across restarts."""
+"""The sleep's latent store: in memory (learner.memory.latent_store) and on disk (service.storage.latent_store) alike,
+bounded and class-balanced, 8 bits within a scale of the latent, and on disk following the lineage across restarts."""
 
 from __future__ import annotations
 
 import torch
 
 from learner.memory.latent_store import LatentStore
-from service.latent_store import DiskLatentStore, store_capacity
+from service.storage.latent_store import DiskLatentStore, store_capacity
 
 SHAPE = (4, 2, 2)
 IDENTITY = {"backbone": "lite0", "cut": 11, "input_size": 64}

@@ -106,8 +106,8 @@ def test_a_history_of_an_earlier_version_gains_the_replay_share(tmp_path):
     new points carry it."""
     import sqlite3
 
-    from service.db import Database
-    from service.online import History, HistoryPoint
+    from service.learning.online import History, HistoryPoint
+    from service.storage.db import Database
 
     old = sqlite3.connect(tmp_path / "aser.db")
     old.execute("CREATE TABLE history (samples_trained INTEGER PRIMARY KEY, steps INTEGER NOT NULL, at REAL NOT NULL,"

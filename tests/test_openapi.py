@@ -49,8 +49,8 @@ def test_the_document_declares_bodies_errors_and_media_types(guarded):
 
 
 def test_an_open_service_declares_no_security(tmp_path):
-    from service.app import create_app
     from service.settings import Settings
+    from service.web.app import create_app
 
     doc = create_app(Settings(data_dir=tmp_path)).openapi()
     assert "securitySchemes" not in doc.get("components", {})
@@ -112,8 +112,8 @@ def test_schemathesis_with_all_checks_finds_nothing(guarded):
 
 def test_a_learner_refuses_an_unknown_method_or_a_read_token_alone(tmp_path):
     """(A replica takes a read token alone: tests/test_deploy.py starts one so.)"""
-    from service.app import create_app
     from service.settings import Settings
+    from service.web.app import create_app
 
     with pytest.raises(ValueError, match="nobody"):
         create_app(Settings(data_dir=tmp_path, read_token="r"))

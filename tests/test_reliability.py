@@ -18,13 +18,13 @@ import torch
 
 from clients.api import ServiceClient
 from clients.bench.local_service import free_port
-from service.checkpoints import CheckpointStore
-from service.db import Database
-from service.errors import IncompatibleCheckpoint
+from service.learning.worker import LearnerWorker
 from service.settings import Settings
-from service.snapshots import SnapshotStore
-from service.store import IngestLog, NewSample
-from service.worker import LearnerWorker
+from service.storage.checkpoints import CheckpointStore
+from service.storage.db import Database
+from service.storage.errors import IncompatibleCheckpoint
+from service.storage.snapshots import SnapshotStore
+from service.storage.store import IngestLog, NewSample
 
 from .conftest import CIFAR10_ZIP
 from .test_service import Server, jpegs, status, wait_trained  # noqa: F401  (jpegs is a fixture)
@@ -95,7 +95,7 @@ def test_a_repeated_sample_id_is_stored_once(tmp_path, cifar10_slice):
     again = store.append([NewSample("cat", a, "x1"), NewSample("cat", a, "x1"), NewSample("dog", b, "x2")], 10)
     assert [(s.seq, s.duplicate) for s in first] == [(1, False), (2, False)]
     assert [(s.seq, s.duplicate) for s in again] == [(1, True), (1, True), (3, False)]
-    from service.errors import SampleIdConflict
+    from service.storage.errors import SampleIdConflict
 
     for clash in ([NewSample("dog", a, "x1")], [NewSample("cat", b, "x1")],
                   [NewSample("cat", a, "y"), NewSample("dog", a, "y")]):
@@ -175,7 +175,9 @@ def worker_for(tmp_path, data, n: int, **overrides) -> LearnerWorker:
     store = IngestLog(db, (3, 32, 32))
     names = data.class_names
     store.append([NewSample(names[int(data.train_y[i])], pixels(data, i)) for i in range(n)], 10)
-    return LearnerWorker.open(settings, db, store)
+    worker = LearnerWorker.open(settings, db, store)
+    worker.opened_with = settings  # the worker keeps only what its loop reads (`LoopSpec`): a restart reopens these
+    return worker
 
 
 def until(predicate, timeout=60):
@@ -234,7 +236,7 @@ def test_stop_after_a_failed_step_writes_no_checkpoint(tmp_path, cifar10_slice, 
     assert latest["steps"] == 2 and latest["trained_upto"] == 10  # not the half-applied third step
 
     monkeypatch.setattr(ReplayLearner, "observe", real)
-    again = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)
+    again = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)
     assert again.predictor.samples_trained == 10 and again.trained_upto == 10
     again.start()
     until(lambda: again.predictor.samples_trained == 20)
@@ -304,13 +306,13 @@ def test_a_restart_never_serves_a_model_version_again(tmp_path, cifar10_slice):
     while worker.train_available():
         seen.append(worker.predictor.version)
     assert worker.checkpoints.latest() is None and len(set(seen)) == len(seen) == 4
-    again = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)  # the crash: nothing more written
+    again = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)  # the crash: nothing more written
     assert again.predictor.samples_trained == 0 and again.predictor.version > max(seen)
     while again.train_available():
         seen.append(again.predictor.version)
     assert again.predictor.samples_trained == 20 and seen == sorted(set(seen))
     again.checkpoint()
-    third = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)  # a clean restart: the same model,
+    third = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)  # a clean restart: the same model,
     assert third.predictor.steps == 4 and third.predictor.version > max(seen)   # a new number
 
 
@@ -324,7 +326,7 @@ def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar
     loads = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
-    again = LearnerWorker.open(worker.settings, worker.checkpoints.db, worker.store)
+    again = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)
     assert again.trained_upto == 20 and again.learner.steps == 4 and len(again.learner.buffer) == 0
     assert [p.name for p in loads] == [worker.checkpoints.latest()["file"]]
 
@@ -340,7 +342,7 @@ def test_a_restart_under_another_method_names_the_settings_of_the_checkpoint(tmp
     made_by = "ASER_METHOD=er ASER_STEP=joint ASER_LOSS=ace ASER_AUGMENT=True ASER_ITERATIONS=2"  # er's defaults
     for other in ({"method": "aser-mu"}, {"loss": "ce"}):
         with pytest.raises(IncompatibleCheckpoint, match=made_by):
-            LearnerWorker.open(worker.settings.model_copy(update=other), worker.checkpoints.db, worker.store)
+            LearnerWorker.open(worker.opened_with.model_copy(update=other), worker.checkpoints.db, worker.store)
 
     env = {**os.environ, "ASER_DATA_DIR": str(tmp_path), "ASER_METHOD": "aser-mu", "ASER_PORT": str(free_port())}
     service = subprocess.run([sys.executable, "-m", "service"], env=env, capture_output=True, text=True, timeout=120)

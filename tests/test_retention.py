@@ -4,9 +4,9 @@ A real SQLite file with 20,000 rows that keep only their ids and 100 trained row
 
 import time
 
-from service.db import Database
-from service.retention import Retention, RetentionPolicy
-from service.store import IngestLog
+from service.storage.db import Database
+from service.storage.retention import Retention, RetentionPolicy
+from service.storage.store import IngestLog
 
 
 def writer_steps(db: Database, run) -> int:

@@ -184,7 +184,7 @@ def test_the_trained_head_takes_over_once_every_class_has_grown(server, photos):
     """ASER_TRAINED_HEAD_FROM=N: streaming LDA answers while a class has fewer than N samples, the trained
     head once every class has N, in /predict and in the snapshot alike; a new class hands back."""
     from clients.onnx_client import OnnxClassifier
-    from service.lineage import check_learner
+    from service.learning.lineage import check_learner
     from service.settings import Settings
 
     with pytest.raises(ValueError, match="ASER_TRAINED_HEAD_FROM"):
@@ -217,7 +217,7 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     measured and which answers each class; the snapshot exports that answer and says so. By default measured on
     held-back samples with the pool as the prior; the stream's scores are still reported."""
     from clients.onnx_client import OnnxClassifier
-    from service.lineage import check_learner, describe_learner
+    from service.learning.lineage import check_learner, describe_learner
     from service.settings import Settings
 
     with pytest.raises(ValueError, match="ASER_HEAD=chosen"):

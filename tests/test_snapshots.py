@@ -8,7 +8,7 @@ import torch
 from clients.onnx_client import OnnxClassifier
 from learner import make_learner
 from learner.data import task_batches
-from service.snapshots import PixelsToLogits, export_onnx
+from service.storage.snapshots import PixelsToLogits, export_onnx
 
 
 def test_onnx_logits_match_pytorch_on_real_images(cifar10_slice, tmp_path):

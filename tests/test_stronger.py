@@ -179,7 +179,7 @@ def test_an_evaluation_answers_on_shared_features_as_each_correction_does_alone(
 @pytest.mark.parametrize("correction", [{"serving_bn": "memory"}, {"serving_bias": True}])
 def test_an_onnx_snapshot_carries_the_corrections(cifar10_slice, tmp_path, correction):
     from clients.onnx_client import OnnxClassifier
-    from service.snapshots import PixelsToLogits, export_onnx
+    from service.storage.snapshots import PixelsToLogits, export_onnx
 
     learner = make_learner("er", 10, mem_size=200, loss="ace", ema_decay=0.9, seed=0, **correction)
     x, y = mixed(cifar10_slice, 300)
@@ -352,7 +352,7 @@ def test_an_onnx_snapshot_with_the_ncm_head_predicts_as_the_learners_ncm(cifar10
     from clients.onnx_client import OnnxClassifier
     from learner.data import task_batches
     from learner.heads.ncm import memory_ncm, ncm_head
-    from service.snapshots import PixelsToLogits, export_onnx
+    from service.storage.snapshots import PixelsToLogits, export_onnx
 
     data = cifar10_slice
     learner = make_learner("er", num_classes=10, mem_size=200, loss="ace", ema_decay=0.9, seed=0)

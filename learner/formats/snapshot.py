@@ -1,5 +1,5 @@
 """The ONNX snapshot format, in one place and without torch: what the graph takes and gives, the
-metadata keys, and how its logits become top-k labels. The exporter (`service.snapshots`), the
+metadata keys, and how its logits become top-k labels. The exporter (`service.storage.snapshots`), the
 learner's and the replica's predictions, and the ONNX client (`clients.onnx_client`) all use it.
 
 A snapshot is an ONNX graph `pixels` (uint8 [n, 3, H, W], RGB, NCHW; the graph scales them to

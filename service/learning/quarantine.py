@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from learner.methods.base import ContinualLearner
-
-from .store import IngestLog, LogEntry, images_from_blobs
+from service.storage.store import IngestLog, LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
 

@@ -10,11 +10,11 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import Unavailable
-from ..inputs import InputError
-from ..settings import Settings
-from .auth import require
-from .errors import error_responses
+from service.settings import Settings
+from service.storage.errors import Unavailable
+from service.web.inputs import InputError
+from service.web.routers.auth import Access
+from service.web.routers.errors import error_responses
 
 MAX_ID = 2**63 - 1  # SQLite's largest integer: an id beyond it names no snapshot
 SNAPSHOT_ID = Path(..., pattern=r"^(latest|[0-9]{1,19})$", description="a snapshot id, or 'latest'")
@@ -42,10 +42,10 @@ class SnapshotList(BaseModel):
     snapshots: list[Snapshot]
 
 
-def router(settings: Settings) -> APIRouter:
+def router(settings: Settings, access: Access) -> APIRouter:
     api = APIRouter(tags=["snapshots"])
 
-    @api.post("/snapshots", status_code=201, response_model=Snapshot, dependencies=[require(settings, "admin")],
+    @api.post("/snapshots", status_code=201, response_model=Snapshot, dependencies=[access.require("admin")],
               responses=error_responses(401, 403, 409, 503))
     async def create_snapshot(request: Request):
         """Export the current model to ONNX now; answers the snapshot's record."""
@@ -55,12 +55,12 @@ def router(settings: Settings) -> APIRouter:
         except TimeoutError as exc:
             raise Unavailable("the export did not finish in time; it may still appear in GET /snapshots") from exc
 
-    @api.get("/snapshots", response_model=SnapshotList, dependencies=[require(settings, "read")],
+    @api.get("/snapshots", response_model=SnapshotList, dependencies=[access.require("read")],
              responses=error_responses(401, 403))
     async def list_snapshots(request: Request):
         return {"snapshots": await run_in_threadpool(request.app.state.runtime.worker.snapshots.list)}
 
-    @api.get("/snapshots/{snapshot_id}", response_class=FileResponse, dependencies=[require(settings, "read")],
+    @api.get("/snapshots/{snapshot_id}", response_class=FileResponse, dependencies=[access.require("read")],
              responses={200: {"description": "the ONNX file", "content": {"application/octet-stream": {
                  "schema": {"type": "string", "format": "binary"}}},
                  "headers": {"X-Snapshot-Id": {"schema": {"type": "string"}},

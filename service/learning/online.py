@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .db import Database
-from .store import by_label
+from service.storage.db import Database
+from service.storage.store import by_label
 
 log = logging.getLogger("aser.worker")
 
@@ -73,7 +73,7 @@ class OnlineAccuracy:
             self.class_scored[label] = self.class_scored.get(label, 0) + 1
 
     def score_batch(self, predictor, encoded, labels: Sequence[int]) -> None:
-        """Test-then-train: `predictor` (a `service.serving.Predictor`, the model about to step) answers
+        """Test-then-train: `predictor` (a `service.learning.serving.Predictor`, the model about to step) answers
         the batch, as the learner encoded it for its step (`encode_incoming`), before it trains on it."""
         known = len(predictor.classes)
         if not known:

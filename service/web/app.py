@@ -10,22 +10,23 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 
-from . import __version__
-from .guard import WebPageGuard, allowed_hosts
-from .lineage import check_learner
-from .metrics import Metrics
-from .routers import dashboard, ingest, memory, operations, predict, snapshots
-from .routers.bodies import BodyModels
-from .routers.errors import BodyLimit, install_error_handlers
-from .runtime import Runtime
-from .settings import Settings
+from service import __version__
+from service.learning.lineage import check_learner
+from service.learning.runtime import Runtime
+from service.metrics import Metrics
+from service.settings import Settings
+from service.web.guard import WebPageGuard, allowed_hosts
+from service.web.routers import dashboard, ingest, memory, operations, predict, snapshots
+from service.web.routers.auth import Access
+from service.web.routers.bodies import BodyModels
+from service.web.routers.errors import BodyLimit, install_error_handlers
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     check_learner(settings)
     metrics = Metrics()
-    models = BodyModels(settings)
+    models, access = BodyModels(settings), Access(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,11 +44,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        deadline_s=settings.body_deadline_s, exempt=frozenset({"/samples/stream"}))
     app.add_middleware(WebPageGuard, hosts=allowed_hosts(settings.allowed_hosts, settings.host))
     install_error_handlers(app, metrics)
-    app.include_router(ingest.router(settings, models))
-    app.include_router(predict.router(settings, models))
-    app.include_router(snapshots.router(settings))
-    app.include_router(memory.router(settings))
-    app.include_router(operations.router(settings))
+    app.include_router(ingest.router(settings, access, models))
+    app.include_router(predict.router(settings, access, models))
+    app.include_router(snapshots.router(settings, access))
+    app.include_router(memory.router(settings, access))
+    app.include_router(operations.router(access))
     app.include_router(dashboard.router())
     app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
     use_body_schemas(app, models)

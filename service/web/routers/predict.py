@@ -8,14 +8,13 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from learner.formats.snapshot import top_k
-
-from ..errors import NoClassesYet
-from ..inputs import decode_base64, decode_images
-from ..runtime import Runtime
-from ..settings import Settings
-from .auth import require
-from .bodies import IMAGE_QUERY, K_QUERY, BodyModels, predict_request_images
-from .errors import error_responses
+from service.learning.runtime import Runtime
+from service.settings import Settings
+from service.storage.errors import NoClassesYet
+from service.web.inputs import decode_base64, decode_images
+from service.web.routers.auth import Access
+from service.web.routers.bodies import IMAGE_QUERY, K_QUERY, BodyModels, predict_request_images
+from service.web.routers.errors import error_responses
 
 
 class Label(BaseModel):
@@ -56,10 +55,10 @@ def predict(runtime: Runtime, blobs: list[bytes], k: int, settings: Settings) ->
             "unknown_score": [None if s != s else round(s, 4) for s in scores.tolist()]}
 
 
-def router(settings: Settings, models: BodyModels) -> APIRouter:
+def router(settings: Settings, access: Access, models: BodyModels) -> APIRouter:
     api = APIRouter(tags=["predict"])
 
-    @api.get("/predict", response_model=Prediction, dependencies=[require(settings, "read")],
+    @api.get("/predict", response_model=Prediction, dependencies=[access.require("read")],
              responses=error_responses(401, 403, 409, 413, 415, 422))
     async def get_predict(request: Request, image: str = IMAGE_QUERY, k: int = K_QUERY):
         """The top-k labels of one image passed in the query (small images)."""
@@ -69,7 +68,7 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
         return {"model_version": answer["model_version"], "steps": answer["steps"], "top": answer["results"][0],
                 "unknown": answer["unknown"][0], "unknown_score": answer["unknown_score"][0]}
 
-    @api.post("/predict", response_model=Predictions, dependencies=[require(settings, "read")],
+    @api.post("/predict", response_model=Predictions, dependencies=[access.require("read")],
               openapi_extra=models.predict_body(), responses=error_responses(400, 401, 403, 409, 413, 415, 422))
     async def post_predict(request: Request, k: int = K_QUERY):
         """The top-k labels of one or many images: JSON (`{images: [...], k?}`) or multipart files."""

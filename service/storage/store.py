@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import torch
 
-from .db import Database
-from .errors import NotFound, SampleIdConflict, TooManyClasses
+from service.storage.db import Database
+from service.storage.errors import NotFound, SampleIdConflict, TooManyClasses
 
 V = TypeVar("V")
 
@@ -185,7 +185,7 @@ def _already_stored(conn: sqlite3.Connection, s: NewSample) -> Stored | None:
                        "WHERE s.sample_id = ?", (s.sample_id,)).fetchone()
     if row is None:
         return None
-    # retention may have dropped the pixels of a trained sample (service.retention): the label decides
+    # retention may have dropped the pixels of a trained sample (service.storage.retention): the label decides
     _same_or_conflict(NewSample(row["name"], row["image"] or s.pixels, s.sample_id), s)
     return Stored(row["seq"], duplicate=True)
 

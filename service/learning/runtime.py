@@ -1,20 +1,20 @@
 """The parts of one running learner service, apart from HTTP: the database, the ingest log,
-the learner worker and the prediction batcher. `service.app` opens one at start-up and closes it at shutdown."""
+the learner worker and the prediction batcher. `service.web.app` opens one at start-up and closes it at shutdown."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from .batching import PredictBatcher
-from .checkpoints import CheckpointStore
-from .db import Database
-from .lineage import describe_learner
-from .metrics import Metrics
-from .retention import Retention, RetentionPolicy
-from .settings import Settings
-from .store import IngestLog
-from .worker import LearnerWorker
+from service.learning.batching import PredictBatcher
+from service.learning.lineage import describe_learner
+from service.learning.worker import LearnerWorker, LoopSpec
+from service.metrics import Metrics
+from service.settings import Settings
+from service.storage.checkpoints import CheckpointStore
+from service.storage.db import Database
+from service.storage.retention import Retention, RetentionPolicy
+from service.storage.store import IngestLog
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Runtime:
 
     @property
     def image_size(self) -> int:
-        """The side every image is brought to: the lineage's (`service.lineage`)."""
+        """The side every image is brought to: the lineage's (`service.learning.lineage`)."""
         return self.worker.lineage.image_size
 
     @classmethod
@@ -39,7 +39,7 @@ class Runtime:
         checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
         spec = describe_learner(settings, checkpoints.saved_identity())  # read once: the restore reuses what it read
         store = IngestLog(db, spec.image_shape)
-        worker = LearnerWorker(settings, db, store, spec, checkpoints, metrics)
+        worker = LearnerWorker(LoopSpec.of(settings), db, store, spec, checkpoints, metrics)
         worker.start()
         batcher = PredictBatcher(lambda: worker.predictor, settings.predict_batch_wait_ms / 1000,
                                  settings.predict_max_batch, on_batch=metrics.predict_batch.observe)

@@ -1,5 +1,5 @@
 """What storage and the learner worker refuse, as domain errors. They know nothing of HTTP;
-`service.routers.errors` maps each to a status code and the JSON error body."""
+`service.web.routers.errors` maps each to a status code and the JSON error body."""
 
 from __future__ import annotations
 

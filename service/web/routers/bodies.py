@@ -23,8 +23,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
-from ..inputs import InputError, decode_base64
-from ..settings import Settings
+from service.settings import Settings
+from service.web.inputs import InputError, decode_base64
 
 
 def category_ranges(category: str) -> str:

@@ -12,7 +12,7 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from .store import Forgotten
+from service.storage.store import Forgotten
 
 log = logging.getLogger("aser.worker")
 

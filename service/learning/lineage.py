@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter
 
 from learner.networks.lite0 import POOLED
-
-from .settings import Settings
+from service.settings import Settings
 
 log = logging.getLogger("aser.worker")
 
@@ -250,7 +249,7 @@ class LearnerSpec:
 
     def build(self):
         """A new learner as this describes it (its state comes from a checkpoint, or nowhere). With a sleep, the
-        worker gives it its latent store on disk (`service.latent_store`) before the restore."""
+        worker gives it its latent store on disk (`service.storage.latent_store`) before the restore."""
         import torch
 
         from learner import make_learner

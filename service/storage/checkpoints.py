@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 
 from learner.methods.base import ContinualLearner
-
-from .db import Database
-from .durable import write_durably
-from .errors import IncompatibleCheckpoint
-from .store import images_from_blobs
+from service.storage.db import Database
+from service.storage.durable import write_durably
+from service.storage.errors import IncompatibleCheckpoint
+from service.storage.store import images_from_blobs
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,

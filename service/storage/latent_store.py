@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from learner.memory.latent_store import LatentStore, sample_bytes
-
-from .db import Database
-from .errors import StorageFull
+from service.storage.db import Database
+from service.storage.errors import StorageFull
 
 log = logging.getLogger("aser.worker")
 

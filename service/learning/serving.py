@@ -20,9 +20,8 @@ from learner.heads.calibration import Calibration
 from learner.heads.head_choice import UNFITTED_POOL, serve
 from learner.heads.ncm import ncm_head
 from learner.methods.base import ContinualLearner
-
-from .checkpoints import VersionLease
-from .errors import StorageFull
+from service.storage.checkpoints import VersionLease
+from service.storage.errors import StorageFull
 
 log = logging.getLogger("aser.worker")
 

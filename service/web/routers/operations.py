@@ -11,14 +11,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import SleepOff
-from ..online import HistoryPoint
-from ..retention import database_bytes
-from ..runtime import Runtime
-from ..settings import Settings
-from ..store import by_label
-from .auth import require
-from .errors import error_responses
+from service.learning.online import HistoryPoint
+from service.learning.runtime import Runtime
+from service.storage.errors import SleepOff
+from service.storage.retention import database_bytes
+from service.storage.store import by_label
+from service.web.routers.auth import Access
+from service.web.routers.errors import error_responses
 
 
 class Quarantined(BaseModel):
@@ -248,16 +247,16 @@ def storage(rt: Runtime) -> dict:
             "retention_last_error": t.last_error, "over_cap": t.over_cap}
 
 
-def router(settings: Settings) -> APIRouter:
+def router(access: Access) -> APIRouter:
     api = APIRouter(tags=["operations"])
 
-    @api.get("/status", response_model=Status, dependencies=[require(settings, "read")],
+    @api.get("/status", response_model=Status, dependencies=[access.require("read")],
              responses=error_responses(401, 403))
     async def get_status(request: Request):
         """Counters, the replay memory per class, the classes, the model version, worker health."""
         return await run_in_threadpool(status, request.app.state.runtime)
 
-    @api.get("/metrics", dependencies=[require(settings, "read")], response_class=Response,
+    @api.get("/metrics", dependencies=[access.require("read")], response_class=Response,
              responses={200: {"description": "Prometheus text format",
                               "content": {"text/plain": {"schema": {"type": "string"}}}},
                         **error_responses(401, 403)})
@@ -269,7 +268,7 @@ def router(settings: Settings) -> APIRouter:
         rt.metrics.observe_status(st)
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @api.post("/sleep", status_code=202, response_model=SleepRequested, dependencies=[require(settings, "admin")],
+    @api.post("/sleep", status_code=202, response_model=SleepRequested, dependencies=[access.require("admin")],
               responses=error_responses(401, 403, 409))
     async def sleep(request: Request):
         """Sleep now (ASER_SLEEP): as soon as no sample waits, the top trains over the latent store for its budget
@@ -282,7 +281,7 @@ def router(settings: Settings) -> APIRouter:
         sleeper = worker.learner.sleeper
         return {"requested": True, "budget": sleeper.budget(), "new_samples": sleeper.new_samples}
 
-    @api.get("/history", response_model=list[HistoryPoint], dependencies=[require(settings, "read")],
+    @api.get("/history", response_model=list[HistoryPoint], dependencies=[access.require("read")],
              responses=error_responses(401, 403, 422))
     async def history(request: Request, since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
                       limit: Annotated[int, Query(ge=1, le=10_000)] = 1000):

@@ -36,11 +36,10 @@ from learner.heads.calibration import Calibration
 from learner.heads.head_choice import CANDIDATES, UNFITTED_POOL, serve
 from learner.methods.base import ContinualLearner
 from learner.networks.backbone import ScratchBackbone, backbone_of
-
-from . import __version__
-from .db import Database
-from .durable import replace_durably
-from .errors import NotFound, SnapshotFailed
+from service import __version__
+from service.storage.db import Database
+from service.storage.durable import replace_durably
+from service.storage.errors import NotFound, SnapshotFailed
 
 log = logging.getLogger("aser.snapshots")
 

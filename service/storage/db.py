@@ -34,7 +34,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from .errors import StorageFull
+from service.storage.errors import StorageFull
 
 log = logging.getLogger("aser.db")
 

@@ -14,14 +14,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from ..errors import ServiceError
-from ..inputs import InputError, decode_base64, decode_images
-from ..runtime import Runtime
-from ..settings import Settings
-from ..store import NewSample, Stored
-from .auth import check_token, require
-from .bodies import NDJSON_TYPES, BodyModels, content_kind, ndjson_lines, read_form
-from .errors import as_input_error, error_responses
+from service.learning.runtime import Runtime
+from service.settings import Settings
+from service.storage.errors import ServiceError
+from service.storage.store import NewSample, Stored
+from service.web.inputs import InputError, decode_base64, decode_images
+from service.web.routers.auth import Access
+from service.web.routers.bodies import NDJSON_TYPES, BodyModels, content_kind, ndjson_lines, read_form
+from service.web.routers.errors import as_input_error, error_responses
 
 log = logging.getLogger("aser.ingest")
 
@@ -94,10 +94,10 @@ class DuplexStream(StreamingResponse):
             pass
 
 
-def router(settings: Settings, models: BodyModels) -> APIRouter:
+def router(settings: Settings, access: Access, models: BodyModels) -> APIRouter:
     api = APIRouter(tags=["ingest"])
 
-    @api.post("/samples", status_code=201, response_model=IngestAck, dependencies=[require(settings, "write")],
+    @api.post("/samples", status_code=201, response_model=IngestAck, dependencies=[access.require("write")],
               openapi_extra=models.ingest_body(),
               responses=error_responses(400, 401, 403, 409, 413, 415, 422, 507))
     async def post_samples(request: Request):
@@ -110,7 +110,7 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
         blobs, labels, ids = await read_form(request, models, with_labels=True)
         return await commit(rt, labels, blobs, ids)
 
-    @api.post("/samples/stream", dependencies=[require(settings, "write")], openapi_extra=models.stream_body(),
+    @api.post("/samples/stream", dependencies=[access.require("write")], openapi_extra=models.stream_body(),
               responses={200: {"description": "one acknowledgement (or error) line per input line, in order",
                                "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
                          **error_responses(401, 403, 415)})
@@ -135,7 +135,7 @@ def router(settings: Settings, models: BodyModels) -> APIRouter:
         """One long-lived connection: each text message a sample (or a batch), each answered by
         one JSON acknowledgement after its commit."""
         try:
-            check_token(websocket, settings, "write")
+            access.check(websocket, "write")
         except InputError as exc:
             await websocket.close(code=1008, reason=exc.detail)
             return

@@ -17,9 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from .. import errors
-from ..inputs import InputError
-from ..metrics import Metrics
+from service.metrics import Metrics
+from service.storage import errors
+from service.web.inputs import InputError
 
 log = logging.getLogger("aser.http")
 

@@ -13,8 +13,7 @@ import torch
 
 from learner.catch_up import CHUNK, CatchUp
 from learner.methods.base import ContinualLearner
-
-from .store import LogEntry, images_from_blobs
+from service.storage.store import LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
 

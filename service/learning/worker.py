@@ -16,11 +16,10 @@ tried alone on a scratch copy of the learner; if it fails alone it is quarantine
 skipped from then on, reported), so one bad sample cannot stop learning. A checkpoint or a
 snapshot that fails is logged and counted; training goes on.
 
-The concerns beside the loop have modules of their own: which learner the data directory holds
-(`service.lineage`), what readers see and its corrections (`service.serving`), when to export
-(`service.snapshot_schedule`), setting bad samples aside (`service.quarantine`), forgetting a class
-(`service.forgetting`), the history's points (`service.online.HistoryRecorder`), when to checkpoint
-(`service.checkpointing`) and the lag bound (`service.lag_bound`, its arithmetic in `learner.catch_up`).
+The concerns beside the loop have modules of their own in this folder: which learner the data directory holds
+(`lineage`), what readers see and its corrections (`serving`), when to export (`snapshot_schedule`), setting bad samples
+aside (`quarantine`), forgetting a class (`forgetting`), the history's points (`online.HistoryRecorder`), when to
+checkpoint (`checkpointing`) and the lag bound (`lag_bound`, its arithmetic in `learner.catch_up`).
 """
 
 from __future__ import annotations
@@ -29,37 +28,68 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
 from learner.methods.base import ContinualLearner
-
-from .checkpointing import Checkpointing
-from .checkpoints import CheckpointStore, VersionLease
-from .db import Database
-from .forgetting import ForgetRequests
-from .lag_bound import LagBound
-from .latent_store import DiskLatentStore, store_capacity
-from .lineage import LearnerSpec, describe_learner
-from .metrics import Metrics
-from .online import History, HistoryRecorder, OnlineAccuracy
-from .quarantine import PoisonGuard, fails_alone
-from .serving import MemoryView, Predictor, Published, Publisher
-from .settings import Settings
-from .snapshot_schedule import SnapshotSchedule
-from .snapshots import SnapshotStore
-from .store import IngestLog, LogEntry, images_from_blobs
+from service.learning.checkpointing import Checkpointing
+from service.learning.forgetting import ForgetRequests
+from service.learning.lag_bound import LagBound
+from service.learning.lineage import LearnerSpec, describe_learner
+from service.learning.online import History, HistoryRecorder, OnlineAccuracy
+from service.learning.quarantine import PoisonGuard, fails_alone
+from service.learning.serving import MemoryView, Predictor, Published, Publisher
+from service.learning.snapshot_schedule import SnapshotPlan, SnapshotSchedule
+from service.metrics import Metrics
+from service.storage.checkpoints import CheckpointStore, VersionLease
+from service.storage.db import Database
+from service.storage.latent_store import DiskLatentStore, store_capacity
+from service.storage.snapshots import SnapshotStore
+from service.storage.store import IngestLog, LogEntry, images_from_blobs
 
 log = logging.getLogger("aser.worker")
 
 
-class LearnerWorker:
-    """`spec`: the learner the data directory holds, as start-up described it (`service.lineage`);
-    `checkpoints`: that directory's checkpoint store (`open` makes both)."""
+@dataclass(frozen=True)
+class LoopSpec:
+    """What the worker's loop reads of the settings, handed to it once at start-up (as `LearnerSpec` is): the
+    batches, the lag bound, when to persist and publish, the history, idle rehearsal, sleep and the snapshots."""
 
-    def __init__(self, settings: Settings, db: Database, store: IngestLog, spec: LearnerSpec,
+    data_dir: Path
+    batch_size: int
+    max_batch_wait_s: float
+    max_lag_s: float
+    catch_up_memory_share: float
+    checkpoint_every_steps: int
+    serving_refresh_steps: int
+    ncm_refresh_steps: int
+    history_max_points: int
+    history_every_steps: int
+    online_window: int
+    idle_rehearsal: bool
+    idle_rehearsal_per_step: float
+    idle_rehearsal_share: float
+    sleep_idle_s: float
+    sleep_min_new: int
+    snapshots: SnapshotPlan
+
+    @classmethod
+    def of(cls, settings) -> "LoopSpec":
+        """The loop `settings` (`service.settings.Settings`) ask for."""
+        plain = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "snapshots"}
+        snapshots = {f.name: getattr(settings, "snapshot_" + f.name) for f in fields(SnapshotPlan)}
+        return cls(**plain, snapshots=SnapshotPlan(**snapshots))
+
+
+class LearnerWorker:
+    """`spec`: the learner the data directory holds, as start-up described it (`service.learning.lineage`);
+    `loop`: how the loop runs; `checkpoints`: the directory's checkpoint store (`open` makes all three)."""
+
+    def __init__(self, loop: LoopSpec, db: Database, store: IngestLog, spec: LearnerSpec,
                  checkpoints: CheckpointStore, metrics: Metrics | None = None):
-        self.settings = settings
+        self.loop = loop
         self.metrics = metrics or Metrics()
         self.store = store
         self.spec, self.lineage, self.device = spec, spec.lineage, spec.device
@@ -67,16 +97,16 @@ class LearnerWorker:
         self.checkpoints.identity = self.lineage.identity()
         self.image_shape = spec.image_shape
         self.versions = VersionLease(db)
-        self.lag = LagBound(settings.max_lag_s, settings.catch_up_memory_share, settings.batch_size,
+        self.lag = LagBound(loop.max_lag_s, loop.catch_up_memory_share, loop.batch_size,
                             self.lineage.lean_when_behind)
-        self.checkpointing = Checkpointing(self.checkpoints, settings.checkpoint_every_steps, self.metrics)
-        self.publisher = Publisher(self.versions, self.lineage.head == "ncm", settings.serving_refresh_steps,
-                                   settings.ncm_refresh_steps)  # what readers see
-        self.snapshots = SnapshotStore(db, settings.data_dir / "snapshots", self.lineage.method,
-                                       settings.snapshot_timeout_s, settings.snapshot_keep,
+        self.checkpointing = Checkpointing(self.checkpoints, loop.checkpoint_every_steps, self.metrics)
+        self.publisher = Publisher(self.versions, self.lineage.head == "ncm", loop.serving_refresh_steps,
+                                   loop.ncm_refresh_steps)  # what readers see
+        self.snapshots = SnapshotStore(db, loop.data_dir / "snapshots", self.lineage.method,
+                                       loop.snapshots.timeout_s, loop.snapshots.keep,
                                        keep_exporter=self.lineage.backbone == "scratch")
-        self.history = History(db, settings.history_max_points)
-        self.schedule = SnapshotSchedule(self.snapshots, settings, store, self.image_shape)
+        self.history = History(db, loop.history_max_points)
+        self.schedule = SnapshotSchedule(self.snapshots, loop.snapshots, store, self.image_shape)
         self.forgetting = ForgetRequests(self)
         self.restarts = 0
         self.last_error: str | None = None
@@ -87,7 +117,7 @@ class LearnerWorker:
         self.latent_store: DiskLatentStore | None = None  # a sleep's latents, on disk (made at the first load)
         self._sleep_asked = threading.Event()
         self._busy_at = time.monotonic()  # when the worker last had samples to train: idle since
-        self.recorder = HistoryRecorder(self.history, settings.history_every_steps)
+        self.recorder = HistoryRecorder(self.history, loop.history_every_steps)
         self.wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="learner-worker", daemon=True)
@@ -95,10 +125,11 @@ class LearnerWorker:
         self._load()
 
     @classmethod
-    def open(cls, settings: Settings, db: Database, store: IngestLog, metrics: Metrics | None = None):
+    def open(cls, settings, db: Database, store: IngestLog, metrics: Metrics | None = None):
         """The worker of the learner `settings` make with the data directory's checkpoints."""
         checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
-        return cls(settings, db, store, describe_learner(settings, checkpoints.saved_identity()), checkpoints, metrics)
+        spec = describe_learner(settings, checkpoints.saved_identity())
+        return cls(LoopSpec.of(settings), db, store, spec, checkpoints, metrics)
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -131,7 +162,7 @@ class LearnerWorker:
         self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
         if learner.sleeper is not None and not self.trained_upto:  # a new lineage: nothing stored is its own
             self.latent_store.truncate(0)
-        self.online = OnlineAccuracy.from_state(extra.get("online"), self.settings.online_window)
+        self.online = OnlineAccuracy.from_state(extra.get("online"), self.loop.online_window)
         forgotten = self.store.forgotten()
         for f in forgotten:  # a crash may have come between the forgetting and the next checkpoint
             learner.forget_class(f.class_id)
@@ -147,9 +178,9 @@ class LearnerWorker:
         self.publisher.restart()
         self.consistent = True
         self.publish()
-        s = self.settings
+        s = self.loop
         log.info("learner: %s (%s), M=%d, %s, device %s, data in %s, %s", self.lineage.method, learner.name,
-                 s.mem_size, self.lineage.describe(), self.device, s.data_dir.resolve(),
+                 self.spec.mem_size, self.lineage.describe(), self.device, s.data_dir.resolve(),
                  f"resumed from a checkpoint at sample {self.trained_upto} ({learner.steps} steps)"
                  if self.trained_upto else "a new lineage")
 
@@ -164,7 +195,7 @@ class LearnerWorker:
                             or self.correct_serving_if_idle()):
                         failures_in_a_row = 0
                     else:
-                        self.wakeup.wait(timeout=min(0.5, self.settings.max_batch_wait_s or 0.5))
+                        self.wakeup.wait(timeout=min(0.5, self.loop.max_batch_wait_s or 0.5))
                         self.wakeup.clear()
                 except Exception as exc:
                     failures_in_a_row += 1
@@ -195,7 +226,7 @@ class LearnerWorker:
     # --- training ----------------------------------------------------------------------
     def train_available(self) -> bool:
         """Train on the next mini-batch if one is due; returns whether anything was done."""
-        b = self.settings.batch_size
+        b = self.loop.batch_size
         entries = self.store.after(self.trained_upto, b)
         if not entries:
             return False
@@ -203,7 +234,7 @@ class LearnerWorker:
         if self.lag.over(entries[0].received, self.learner.samples_skipped):
             self._skip_behind()
             return True
-        if len(entries) < b and time.time() - entries[0].received < self.settings.max_batch_wait_s:
+        if len(entries) < b and time.time() - entries[0].received < self.loop.max_batch_wait_s:
             return False  # wait for a full batch a little longer
         lean = self.lag.lean(entries[0].received)
         entries = self.poison.set_aside(entries)
@@ -232,7 +263,7 @@ class LearnerWorker:
         self.schedule.export_if_due(self.learner, self.predictor)
 
     def _skip_behind(self) -> None:
-        """Over the lag bound: the next chunk of samples behind it skips the step (`service.lag_bound`)."""
+        """Over the lag bound: the next chunk of samples behind it skips the step (`service.learning.lag_bound`)."""
         entries = self.lag.behind(self.store.after(self.trained_upto, self.lag.chunk))
         entries = self.poison.set_aside(entries)
         if not entries:
@@ -256,7 +287,7 @@ class LearnerWorker:
             backbone = learner.backbone
             shape, eight_bit = backbone.stored_shape, backbone.stored_dtype == torch.uint8
             self.latent_store = DiskLatentStore(
-                self.settings.data_dir / "latents.db", store_capacity(self.spec.sleep_store_mb, shape, eight_bit),
+                self.loop.data_dir / "latents.db", store_capacity(self.spec.sleep_store_mb, shape, eight_bit),
                 shape, eight_bit, backbone.identity(), self.spec.seed)
         learner.sleeper.store = self.latent_store
 
@@ -272,7 +303,7 @@ class LearnerWorker:
         sleeper = self.learner.sleeper
         if sleeper is None or self.forgetting.waiting:
             return False
-        s, asked = self.settings, self._sleep_asked.is_set()
+        s, asked = self.loop, self._sleep_asked.is_set()
         idle = time.monotonic() - self._busy_at >= s.sleep_idle_s
         if not asked and not (idle and (sleeper.new_samples >= s.sleep_min_new or sleeper.owed)):
             return False
@@ -302,7 +333,7 @@ class LearnerWorker:
     def rehearse_if_idle(self) -> bool:
         """While no batch is due: a replay-only step, within its share of the worker's time.
         Returns whether it rehearsed (or is pausing to keep to its share)."""
-        s = self.settings
+        s = self.loop
         if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self.forgetting.waiting:
             return False
         lr = self.learner
@@ -329,7 +360,7 @@ class LearnerWorker:
     def progress(self) -> int:
         """Work done, in steps: stream steps, rehearsal steps, and skipped samples by the batch."""
         lr = self.learner
-        return lr.steps + lr.rehearsal_steps + lr.samples_skipped // self.settings.batch_size
+        return lr.steps + lr.rehearsal_steps + lr.samples_skipped // self.loop.batch_size
 
     def _checkpoint_if_due(self) -> None:
         if self.checkpointing.due(self.progress()):
@@ -367,11 +398,11 @@ class LearnerWorker:
         return True
 
     def checkpoint(self) -> bool:
-        """Persist the lineage; a failure (disk full, say) is logged and retried later (`service.checkpointing`)."""
+        """Persist the lineage; a failure (disk full, say) is logged and retried later (`checkpointing`)."""
         return self.checkpointing.save(self.learner, self.trained_upto, {"online": self.online.state_dict()},
                                        self.progress())
 
-    # --- snapshots (service.snapshot_schedule) -------------------------------------------
+    # --- snapshots (service.learning.snapshot_schedule) -------------------------------------------
     def request_snapshot(self) -> Future:
         """Export the model as it is after the step in progress; the future gives the snapshot row."""
         answer = self.schedule.request()

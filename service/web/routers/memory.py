@@ -11,12 +11,12 @@ from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import NotFound
-from ..serving import MemoryView
-from ..settings import Settings
-from ..store import by_label, label_of
-from .auth import require
-from .errors import error_responses
+from service.learning.serving import MemoryView
+from service.settings import Settings
+from service.storage.errors import NotFound
+from service.storage.store import by_label, label_of
+from service.web.routers.auth import Access
+from service.web.routers.errors import error_responses
 
 SLOT = Path(..., pattern=r"^[0-9]{1,9}$", description="a memory slot, 0 .. size - 1")
 
@@ -51,10 +51,10 @@ def png(view: MemoryView, slot: int) -> bytes:
     return out.getvalue()
 
 
-def router(settings: Settings) -> APIRouter:
+def router(settings: Settings, access: Access) -> APIRouter:
     api = APIRouter(tags=["memory"])
 
-    @api.get("/memory", response_model=Memory, dependencies=[require(settings, "read")],
+    @api.get("/memory", response_model=Memory, dependencies=[access.require("read")],
              responses=error_responses(401, 403))
     async def memory(request: Request):
         """The replay memory: samples per class, and each slot's class and when it entered."""
@@ -67,7 +67,7 @@ def router(settings: Settings) -> APIRouter:
                 "per_class": by_label(classes, view.class_counts()),
                 "slots": slots}
 
-    @api.get("/memory/{slot}", response_class=Response, dependencies=[require(settings, "read")],
+    @api.get("/memory/{slot}", response_class=Response, dependencies=[access.require("read")],
              responses={200: {"description": "the stored image", "content": {"image/png": {
                  "schema": {"type": "string", "format": "binary"}}}}, **error_responses(401, 403, 404, 422)})
     async def memory_image(request: Request, slot: str = SLOT):
@@ -75,7 +75,7 @@ def router(settings: Settings) -> APIRouter:
         data = png(request.app.state.runtime.worker.memory, int(slot))
         return Response(data, media_type="image/png", headers={"Cache-Control": "no-cache"})
 
-    @api.delete("/classes/{label:path}", response_model=ForgottenClass, dependencies=[require(settings, "admin")],
+    @api.delete("/classes/{label:path}", response_model=ForgottenClass, dependencies=[access.require("admin")],
                 responses=error_responses(401, 403, 404, 422, 507))
     async def forget_class(request: Request, label: str):
         """Forget a class for good: every sample of it leaves the ingest log (trained or not) and

@@ -7,11 +7,10 @@ from __future__ import annotations
 import logging
 
 from learner.methods.base import ContinualLearner
-
-from .checkpoints import CheckpointStore
-from .db import is_disk_full
-from .errors import StorageFull
-from .metrics import Metrics
+from service.metrics import Metrics
+from service.storage.checkpoints import CheckpointStore
+from service.storage.db import is_disk_full
+from service.storage.errors import StorageFull
 
 log = logging.getLogger("aser.worker")
 

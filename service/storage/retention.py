@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .db import INCREMENTAL, Database
+from service.storage.db import INCREMENTAL, Database
 
 log = logging.getLogger("aser.retention")
 
