@@ -88,9 +88,9 @@ class CatchUp:
         return now - self.bound_s / 2
 
     def skip(self, learner, now: float, labels: torch.Tensor, images_of: Callable[[torch.Tensor], torch.Tensor],
-             seconds_per_sample: float | None = None, lean: bool = False) -> Skipped:
+             seconds_per_sample: float | None = None, lean: bool = False, keys: torch.Tensor | None = None) -> Skipped:
         """Skip the samples of `labels`: those the allowance pays for reach `learner.pass_through`
-        (`images_of(indices)` gives their images; `lean`: its lean form), the others `learner.skip`.
+        (`images_of(indices)` gives their images; `lean`: its lean form; `keys`: their ids), the others `learner.skip`.
         `seconds_per_sample` is a cost model's (the benchmark); without one the pass is timed (the
         worker, whose lean setting does not change while it runs)."""
         import torch
@@ -105,7 +105,8 @@ class CatchUp:
         seconds = 0.0
         if affordable:
             t0 = time.perf_counter()
-            learner.pass_through(images_of(chosen), labels[chosen], self.batch_size, lean)
+            learner.pass_through(images_of(chosen), labels[chosen], self.batch_size, lean,
+                                 keys=None if keys is None else keys[chosen])
             measured = time.perf_counter() - t0
             seconds = seconds_per_sample * affordable if seconds_per_sample is not None else measured
             self._seconds_per_sample = seconds / affordable

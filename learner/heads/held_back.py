@@ -75,6 +75,17 @@ class HeldBack:
         """Classes offered but not yet measured: the held samples say nothing of them."""
         return [c for c in sorted(self.seen) if len(self.samples.get(c, ())) < self.min_held]
 
+    def correct(self, stored: torch.Tensor, old_class: int, new_class: int | None) -> bool:
+        """Move a held sample (found by its stored form) to `new_class`, or drop it (None); whether it was held."""
+        held, stored = self.samples.get(old_class, []), stored.cpu()
+        at = next((i for i, (s, _) in enumerate(held) if s.shape == stored.shape and torch.equal(s, stored)), None)
+        if at is None:
+            return False
+        sample = held.pop(at)
+        if new_class is not None:
+            self.samples.setdefault(new_class, []).append(sample)
+        return True
+
     def forget(self, class_id: int) -> None:
         self.samples.pop(class_id, None)
         self.seen.pop(class_id, None)

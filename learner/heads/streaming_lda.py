@@ -69,12 +69,27 @@ class StreamingClassMeans:
         self.counts = torch.zeros(0, dtype=torch.float64)
         self.squares = torch.zeros(0, dtype=torch.float64)  # per class, the sum of |x|^2
 
-    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+    def update(self, features: torch.Tensor, labels: torch.Tensor, weight: float = 1.0) -> None:
+        """Add the samples to the statistics; `weight` -1 takes samples added before out again, exactly (a
+        sample's label found wrong: `remove`)."""
         self._grow(int(labels.max()) + 1)
         x, labels = features.detach().to("cpu", torch.float64), labels.cpu()
-        self.sums.index_add_(0, labels, x)
-        self.counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
-        self.squares.index_add_(0, labels, (x * x).sum(1))
+        self.sums.index_add_(0, labels, x, alpha=weight)
+        self.counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64), alpha=weight)
+        self.squares.index_add_(0, labels, (x * x).sum(1), alpha=weight)
+
+    def remove(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """Take out samples `update` added with these labels, as if they had never come.
+
+        >>> lda = StreamingLDA(dim=2)
+        >>> lda.update(torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]), torch.tensor([0, 0, 1]))
+        >>> before = lda.state_dict()
+        >>> lda.update(torch.tensor([[5.0, 5.0]]), torch.tensor([0]))
+        >>> lda.remove(torch.tensor([[5.0, 5.0]]), torch.tensor([0]))
+        >>> all(torch.allclose(before[k], v) for k, v in lda.state_dict().items())
+        True
+        """
+        self.update(features, labels, weight=-1.0)
 
     def _grow(self, n: int) -> None:
         if n > len(self.counts):
@@ -150,10 +165,10 @@ class StreamingLDA(StreamingClassMeans):
         self.shrinkage, self.young = shrinkage, young
         self.outer = torch.zeros(dim, dim, dtype=torch.float64)
 
-    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        super().update(features, labels)
+    def update(self, features: torch.Tensor, labels: torch.Tensor, weight: float = 1.0) -> None:
+        super().update(features, labels, weight)
         x = features.detach().to("cpu", torch.float64)
-        self.outer.addmm_(x.T, x)
+        self.outer.addmm_(x.T, x, alpha=weight)
 
     def forget(self, class_id: int) -> None:
         # the shared covariance keeps the forgotten class's scatter: it describes the features, not the

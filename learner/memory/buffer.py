@@ -13,6 +13,9 @@ same weights (the update after step n and the retrieval before step n+1 share we
 (2, {7: 1, 8: 1})
 >>> buf.remove_class(7), len(buf), buf.labels[:1].tolist()
 (1, 1, [8])
+>>> buf.keys[0] = 41  # the stream sample slot 0 holds (`record_admitted` sets it after a step)
+>>> buf.slot_of(41), buf.remove_slots(torch.tensor([0])), len(buf), buf.slot_of(41)
+(0, 1, 0, None)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class ReplayBuffer:
         self.size = 0  # slots 0..size-1 are filled
         self.n_seen = 0  # stream samples offered to the buffer so far (reservoir's n)
         self.entered = torch.zeros(capacity, dtype=torch.long)  # n_seen when each slot was last written
+        self.keys = torch.full((capacity,), -1, dtype=torch.long)  # the caller's id of each slot's sample (-1: none)
         self.features: torch.Tensor | None = None
         # a latent memory's slots as people see them (`keep_pictures`); None while slots hold the images
         self.pictures: torch.Tensor | None = None
@@ -59,6 +63,7 @@ class ReplayBuffer:
         self.images[slots] = images.to(self.device)
         self.labels[slots] = labels.to(self.device)
         self.entered[slots.cpu()] = self.n_seen
+        self.keys[slots.cpu()] = -1  # a new sample: its id, where the caller has one, comes after the step
         if features is not None:
             self._ensure_feature_store(features.shape[1], features.dtype)
             self.features[slots] = features.to(self.device)
@@ -86,16 +91,31 @@ class ReplayBuffer:
         labels, counts = torch.unique(self.labels[: self.size], return_counts=True)
         return {int(c): int(n) for c, n in zip(labels.tolist(), counts.tolist())}
 
+    def slot_of(self, key: int) -> int | None:
+        """The slot holding the sample the caller called `key`, or None."""
+        found = torch.nonzero(self.keys[: self.size] == key).flatten()
+        return int(found[0]) if found.numel() else None
+
     def remove_class(self, class_id: int) -> int:
         """Drop every sample of a class, packing the others into the first slots; returns how
         many were removed. Free slots are filled again by the update policies."""
-        keep = torch.nonzero(self.labels[: self.size] != class_id).squeeze(1)
+        return self._keep_only(torch.nonzero(self.labels[: self.size] != class_id).squeeze(1))
+
+    def remove_slots(self, slots: torch.Tensor) -> int:
+        """Drop the samples in `slots` (one forgotten sample, say), packing the others; returns how many."""
+        keep = torch.ones(self.size, dtype=torch.bool)
+        keep[slots.cpu()] = False
+        return self._keep_only(torch.nonzero(keep).squeeze(1).to(self.device))
+
+    def _keep_only(self, keep: torch.Tensor) -> int:
         removed, n = self.size - keep.numel(), keep.numel()
         if removed == 0:
             return 0
         self.images[:n] = self.images[keep].clone()
         self.labels[:n] = self.labels[keep].clone()
         self.entered[:n] = self.entered[keep.cpu()].clone()
+        self.keys[:n] = self.keys[keep.cpu()].clone()
+        self.keys[n:] = -1
         if self.pictures is not None:
             self.pictures[:n] = self.pictures[keep.cpu()].clone()
         self.feature_version[:n] = self.feature_version[keep].clone()
@@ -131,6 +151,7 @@ class ReplayBuffer:
             "labels": self.labels[: self.size].cpu(),
             "n_seen": self.n_seen,
             "entered": self.entered[: self.size].clone(),
+            "keys": self.keys[: self.size].clone(),
             "dtype": str(self.images.dtype).removeprefix("torch."),
             **({"pictures": self.pictures[: self.size].clone()} if self.pictures is not None else {}),
             # the feature cache: values computed on features up to S steps old (`learner.memory.balanced`) go on
@@ -152,6 +173,8 @@ class ReplayBuffer:
         self.entered.zero_()
         if "entered" in state:  # absent from checkpoints written before it existed
             self.entered[:n] = state["entered"]
+        if "keys" in state:  # the same
+            self.keys[:n] = state["keys"]
         self.pictures = None
         if "pictures" in state and n:
             self.keep_pictures(torch.arange(n), state["pictures"])
@@ -162,11 +185,15 @@ class ReplayBuffer:
 
 
 @contextmanager
-def pictures_of_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: torch.Tensor):
-    """Around a step on a latent memory: a small picture of each sample the step admits
-    (`ReplayBuffer.pictures`: what a person browsing the memory sees); the step's stored latents tell
-    which sample a slot took."""
-    if buffer is None or pixels is stored or pixels.dtype != torch.uint8:  # images kept as they are
+def record_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: torch.Tensor,
+                    keys: torch.Tensor | None = None):
+    """Around a step: for each sample the step admits, its id (`keys`, the caller's, one a sample of the batch:
+    `ReplayBuffer.keys`) and, on a latent memory, a small picture (`ReplayBuffer.pictures`: what a person browsing
+    the memory sees); the step's stored samples tell which sample a slot took."""
+    # the images kept as they are (the same tensor, or the same part of one) need no picture
+    same = pixels.data_ptr() == stored.data_ptr() and pixels.shape == stored.shape
+    pictures = not same and pixels.dtype == torch.uint8
+    if buffer is None or not (pictures or keys is not None):
         yield
         return
     offered = buffer.n_seen
@@ -176,4 +203,7 @@ def pictures_of_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stor
         kept = buffer.images[slots].flatten(1)
         same = (kept[:, None, :] == stored.flatten(1).to(kept.device)[None]).all(2)  # [slots, batch]
         found, sample = same.any(1), same.float().argmax(1)
-        buffer.keep_pictures(slots[found], pixels[sample[found]])
+        if pictures:
+            buffer.keep_pictures(slots[found], pixels[sample[found]])
+        if keys is not None:
+            buffer.keys[slots[found].cpu()] = keys.cpu()[sample[found].cpu()]

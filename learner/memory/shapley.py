@@ -65,19 +65,67 @@ def knn_shapley(
         return torch.zeros(n_eval, n_cand, dtype=dtype, device=eval_feats.device)
     dist = pairwise_distances(eval_feats.to(dtype), cand_feats.to(dtype))
     order = order_by_distance(dist)  # alpha_1..alpha_N per eval point
+    return _values_in_order(order, eval_labels, cand_labels, k, dtype)
+
+
+def _values_in_order(order: torch.Tensor, eval_labels: torch.Tensor, cand_labels: torch.Tensor, k: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Eqs. (3)-(4) over the candidates each evaluation point ranks (`order`: [n_eval, N] candidate indices by
+    ascending distance, N at most the candidates' count; the unranked ones get 0)."""
+    n_eval, n_ranked = order.shape
     labels_by_rank = torch.gather(cand_labels.to(order.device).expand(n_eval, -1), 1, order)
     match = (labels_by_rank == eval_labels.to(order.device)[:, None]).to(dtype)
 
     # increments[m] = s(alpha_m) - s(alpha_{m+1}) of eq. (4), m = 1..N-1 (1-based);
     # the last entry is the base case eq. (3). Eq. (3) reads 1[y]/N, which assumes N >= K;
     # the exact base case is 1[y] * min(K, N) / (K * N), equal to eq. (3) when N >= K.
-    rank = torch.arange(1, n_cand + 1, dtype=dtype, device=eval_feats.device)
+    rank = torch.arange(1, n_ranked + 1, dtype=dtype, device=order.device)
     factor = torch.clamp(rank, max=k) / (k * rank)
     increments = torch.empty_like(match)
     increments[:, :-1] = (match[:, :-1] - match[:, 1:]) * factor[:-1]
     increments[:, -1] = match[:, -1] * factor[-1]
     sorted_values = increments.flip(1).cumsum(1).flip(1)
 
-    values = torch.empty_like(sorted_values)
+    values = torch.zeros(n_eval, cand_labels.shape[0], dtype=dtype, device=order.device)
     values.scatter_(1, order, sorted_values)
     return values
+
+
+def incoming_values(memory_feats: torch.Tensor, memory_labels: torch.Tensor, incoming_feats: torch.Tensor,
+                    incoming_labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Each incoming sample's mean KNN-SV (eqs. 3-4) for the memory's samples as the evaluation points, among the
+    batch and the memory's other samples as candidates: below zero, its label disagrees with the memory around it.
+
+    >>> memory = torch.tensor([[0.0], [0.1], [0.2], [5.0], [5.1], [5.2]])
+    >>> values = incoming_values(memory, torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([[0.05], [5.05]]),
+    ...                          torch.tensor([0, 0]), k=1)
+    >>> bool(values[0] > 0 > values[1])
+    True
+    """
+    m, b = memory_feats.shape[0], incoming_feats.shape[0]
+    if m < 2 or b == 0:
+        return torch.zeros(b)
+    candidates = torch.cat([incoming_feats.float(), memory_feats.float()])
+    dist = pairwise_distances(memory_feats.float(), candidates)
+    dist[torch.arange(m), b + torch.arange(m)] = float("inf")  # a point is not its own candidate: ranked last, dropped
+    order = order_by_distance(dist)[:, :-1]
+    labels = torch.cat([incoming_labels.to(memory_labels.device), memory_labels])
+    return _values_in_order(order, memory_labels, labels, k, torch.float32)[:, :b].mean(0)
+
+
+def leave_one_out_values(feats: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Each point's mean KNN-SV (eqs. 3-4) for every other point of the set as the evaluation point, with that
+    point left out of the candidates: low, below zero, where a label disagrees with its neighbours' (a mislabelled
+    sample lowers its neighbours' utility; Jia et al. 2019 find mislabelled training data by it).
+
+    >>> feats = torch.tensor([[0.0], [0.1], [0.2], [0.15], [5.0], [5.1], [5.2]])
+    >>> leave_one_out_values(feats, torch.tensor([0, 0, 0, 1, 1, 1, 1]), k=1).argmin().item()
+    3
+    """
+    n = feats.shape[0]
+    if n < 2:
+        return torch.zeros(n)
+    dist = pairwise_distances(feats.float(), feats.float())
+    dist.fill_diagonal_(float("inf"))  # each point ranks itself last, then drops itself
+    values = _values_in_order(order_by_distance(dist)[:, :-1], labels, labels, k, torch.float32)
+    return values.sum(0) / (n - 1)

@@ -23,12 +23,13 @@ from ..heads.head_choice import HeadChoice
 from ..heads.held_back import HeldBack
 from ..heads.serving import Serving
 from ..heads.streaming_lda import LinearHead, make_head
-from ..memory.buffer import pictures_of_admitted
+from ..memory.buffer import record_admitted
 from ..memory.latent import Latent
 from ..memory.policy import StepContext
 from ..networks.backbone import ScratchBackbone
 from ..networks.reduced_resnet import ReducedResNet18
 from .classes import HeadClasses
+from .corrections import SampleCorrections
 from .sleep import SleepConfig, Sleeper
 
 
@@ -51,7 +52,7 @@ CALIBRATE_EVERY = 50  # steps between calibrations of a served trained top (a ch
 OPTIMIZERS = ("sgd", "adam")
 
 
-class ContinualLearner(Serving, HeadClasses):
+class ContinualLearner(Serving, HeadClasses, SampleCorrections):
     name = "learner"
 
     def __init__(self, num_classes: int, image_shape: tuple[int, int, int] = (3, 32, 32), lr: float = 0.1,
@@ -62,7 +63,7 @@ class ContinualLearner(Serving, HeadClasses):
                  trained_head_from: int | None = None, choose_head: bool | str = False, head_prior: str | None = None,
                  train_every: int = 1, optimizer: str = "sgd", head_lr: float | None = None,
                  sleep: SleepConfig | None = None, sleep_store=None, calibrate: bool = False,
-                 false_alarm: float = FALSE_ALARM, frozen_values: bool | None = None):
+                 false_alarm: float = FALSE_ALARM, frozen_values: bool | None = None, suspect_rule: bool = False):
         self.device = torch.device(device)
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -129,6 +130,9 @@ class ContinualLearner(Serving, HeadClasses):
         # where ASER's values are taken (`values_frozen`): None, in the frozen network's space while the top does not
         # step awake, else in the top's
         self.frozen_values = frozen_values
+        self.suspect_rule, self.suspects_kept_out = suspect_rule, 0  # `SampleCorrections.incoming_suspects`
+        self._suspect_draws = torch.Generator().manual_seed(7919)  # apart from the training's: runs stay paired
+        self.confirmed: set[int] = set()  # keys of samples a person said are labelled right: never suspects
         self._own_held = HeldBack() if calibrate and (self.head_choice is None or self.head_choice.held is None) \
             else None
         self._calibration: tuple | None = None  # (the solved head and the counts it was fitted at, the Calibration)
@@ -155,14 +159,16 @@ class ContinualLearner(Serving, HeadClasses):
 
     # --- the step ----------------------------------------------------------------------
     def observe(self, images: torch.Tensor, labels: torch.Tensor, lean: bool = False,
-                encoded: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict:
+                encoded: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                keys: torch.Tensor | None = None) -> dict:
         """Learn from one incoming mini-batch B_n (seen once). Returns step statistics.
 
         `lean`: the method's cheapest step (the replay methods: one iteration, no augmentation, the
         memory policies' lean forms), for a learner behind its stream (`learner.catch_up`): more of
         the stream gets a step. `encoded`: the batch's `encode_incoming`, where the caller has it. With
         `train_every` k, only every k-th call steps; the others update the memory (and a streaming head) alone.
-        `steps` counts the calls."""
+        `steps` counts the calls. `keys`: the caller's id of each sample (a service's sequence numbers), kept with
+        the memory's slots (`ReplayBuffer.keys`: what `correct_sample` finds a sample by)."""
         pixels = images.to(self.device)
         images, frozen = encoded if encoded is not None else self.encode_incoming(pixels)
         labels = labels.to(self.device, torch.long)
@@ -171,13 +177,13 @@ class ContinualLearner(Serving, HeadClasses):
         if self.head_choice is not None and trains:  # scored where the top steps: a skipped step saves its forward
             self._score_heads(images, frozen, labels)
         if self.held_back is not None:
-            pixels, images, frozen, labels = self._hold_back(pixels, images, frozen, labels)
+            pixels, images, frozen, labels, keys = self._hold_back(pixels, images, frozen, labels, keys)
             if not labels.numel():  # all held back: nothing trains, the call still counts
                 self.steps += 1
                 return {}
         self._update_stream_head(frozen, labels)
         self._keep_for_sleep(images, labels)
-        with pictures_of_admitted(getattr(self, "buffer", None), pixels, images), self._incoming(images, frozen):
+        with record_admitted(getattr(self, "buffer", None), pixels, images, keys), self._incoming(images, frozen):
             if not trains:
                 self._pass_through(images, labels, lean)
                 stats = {}
@@ -206,7 +212,7 @@ class ContinualLearner(Serving, HeadClasses):
         if bool(known.any()):
             self.head_choice.score(self.head_probabilities(stored[known], frozen[known]), labels[known])
 
-    def _hold_back(self, pixels, images, frozen, labels):
+    def _hold_back(self, pixels, images, frozen, labels, keys=None):
         """Keep the samples `learner.heads.held_back` picks out of every head's training, choose the heads on
         all those held every `measure_every` steps and when a class arrives, and return the batch that trains."""
         arrival = self.held_back.brings_new_class(labels.cpu())
@@ -218,7 +224,8 @@ class ContinualLearner(Serving, HeadClasses):
         if self.head_choice is not None and (arrival or self.steps % self.head_choice.measure_every == 0):
             self.measure_held()
         keep = ~held
-        return pixels[keep], images[keep], frozen[keep] if frozen is not None else None, labels[keep]
+        return (pixels[keep], images[keep], frozen[keep] if frozen is not None else None, labels[keep],
+                None if keys is None else keys[keep.cpu()])
 
     def measure_held(self) -> bool:
         """Under a choice on held-back samples: fit the pool and choose each class's head on all of them, with the
@@ -286,8 +293,15 @@ class ContinualLearner(Serving, HeadClasses):
 
     def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor) -> None:
         """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
-        if self.stream_head is not None:
-            self.stream_head.update(frozen, labels)
+        if self.stream_head is None:
+            return
+        if self.suspect_rule:
+            keep = ~self.incoming_suspects(frozen, labels).to(labels.device)
+            self.suspects_kept_out += int((~keep).sum())
+            frozen, labels = frozen[keep], labels[keep]
+            if not labels.numel():
+                return
+        self.stream_head.update(frozen, labels)
 
     def _keep_for_sleep(self, stored: torch.Tensor, labels: torch.Tensor) -> None:
         if self.sleeper is not None:
@@ -307,7 +321,7 @@ class ContinualLearner(Serving, HeadClasses):
         return self._observe(images, labels)  # a method without costly options has one form
 
     def pass_through(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int | None = None,
-                     lean: bool = False) -> None:
+                     lean: bool = False, keys: torch.Tensor | None = None) -> None:
         """Let samples the learner has no time to train on reach the memory only: no gradient
         step, but the memory update sees them as it sees every sample (so the memory keeps
         sampling the whole stream), `batch_size` at a time (the stream's batch: KNN-SV then scores
@@ -319,8 +333,9 @@ class ContinualLearner(Serving, HeadClasses):
         self._update_stream_head(frozen, labels)
         self._keep_for_sleep(images, labels)
         step = batch_size or labels.numel()
-        with pictures_of_admitted(getattr(self, "buffer", None), pixels, images):
-            for i in range(0, labels.numel(), step):
+        for i in range(0, labels.numel(), step):
+            part = None if keys is None else keys[i:i + step]
+            with record_admitted(getattr(self, "buffer", None), pixels[i:i + step], images[i:i + step], part):
                 with self._incoming(images[i:i + step], None if frozen is None else frozen[i:i + step]):
                     self._pass_through(images[i:i + step], labels[i:i + step], lean)
         self.samples_skipped += images.shape[0]
@@ -483,6 +498,7 @@ class ContinualLearner(Serving, HeadClasses):
             "version": self.version,
             **{name: getattr(self, name) for name in COUNTERS},
             "forgotten": sorted(self.forgotten),
+            **({"confirmed": sorted(self.confirmed)} if self.confirmed else {}),
             "backbone": self.backbone.identity(),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             **({"stream_head": self.stream_head.state_dict()} if self.stream_head is not None else {}),
@@ -514,6 +530,7 @@ class ContinualLearner(Serving, HeadClasses):
         for name in COUNTERS:  # the later ones are absent from states written before them
             setattr(self, name, state.get(name, 0))
         self.forgotten = set(state.get("forgotten", ()))
+        self.confirmed = set(state.get("confirmed", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights
             self.ema.load_state_dict(state.get("ema"), self.model)
         if self.stream_head is not None and "stream_head" in state:

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 from ..memory.buffer import ReplayBuffer
 from ..memory.latent import Latent
 from ..memory.policy import MemoryRetrieval, MemoryUpdate, StepContext
+from ..memory.shapley import leave_one_out_values
 from .augment import Augment
 from .base import FROZEN_SPACE_VERSION, ContinualLearner
 from .objective import ReplayObjective
@@ -112,6 +113,20 @@ class ReplayLearner(ContinualLearner):
         x, y = self.buffer.images[slots], self.buffer.labels[slots]
         x = self.augment(x) if self.augment is not None else x
         return {"loss": self.optimize(lambda: F.cross_entropy(self.forward_logits(x), y))}
+
+    def suspects(self, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The memory's slots by how likely their labels are wrong, most likely first, and each one's score: its
+        mean KNN-SV (eqs. 3-4) to the other remembered samples, in the space ASER's values are taken in and with the
+        memory update's K (`shapley.leave_one_out_values`); below zero, the label disagrees with its neighbours'."""
+        slots = torch.arange(len(self.buffer), device=self.device)
+        feats, _ = self.step_context(self.buffer).latent.of(slots)
+        scores = leave_one_out_values(feats, self.buffer.labels[slots], getattr(self.update_policy, "k", 3))
+        order = torch.argsort(scores, stable=True)
+        if self.confirmed:  # valued with the others, listed never
+            confirmed = torch.tensor(sorted(self.confirmed))
+            order = order[~torch.isin(self.buffer.keys[order], confirmed)]
+        order = order[:limit]
+        return slots[order.to(self.device)], scores[order]
 
     def forget_class(self, class_id: int) -> int:
         removed = super().forget_class(class_id)

@@ -1,0 +1,91 @@
+"""Correcting one sample the learner has already learned from: a label found wrong (relabelled) or a sample to
+forget. Its effect leaves every part that keeps one: the streaming head's statistics exactly (its features leave the
+old class's sums and count and, relabelled, join the new class's; a forgotten sample's x x^T leaves the shared
+scatter too), its memory slot (relabelled, or dropped), and the held-back samples (which never trained: moved or
+dropped there alone). What gradient steps did to the trained top cannot be taken back exactly: the next steps
+and sleeps train it on the corrected memory. `ContinualLearner` inherits it.
+
+With `suspect_rule`, an incoming sample whose value to the memory (`shapley.incoming_values`) is below zero, its
+label disagreeing with the remembered samples around it, is kept out of the streaming head's statistics (the
+memory's own update values it as every sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..memory.shapley import incoming_values
+
+SUSPECT_EVAL = 200  # remembered samples an incoming batch is valued against: a 200 x (b + 200) valuation a batch
+SUSPECT_MIN_CLASS = 20  # a class with fewer remembered samples is too young for its samples to be judged
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Where the corrected sample was found: in the memory, among the held-back samples, in the streaming head's
+    statistics. Nothing found: neither the memory nor the caller had its stored form, and nothing changed."""
+
+    in_memory: bool = False
+    held_back: bool = False
+    stream_head: bool = False
+
+    @property
+    def found(self) -> bool:
+        return self.in_memory or self.held_back or self.stream_head
+
+
+class SampleCorrections:
+    def incoming_suspects(self, frozen: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Which incoming samples (their frozen features and labels) the suspect rule keeps out: a mask."""
+        suspected = torch.zeros(len(labels), dtype=torch.bool)
+        buffer = getattr(self, "buffer", None)
+        if buffer is None or len(buffer) < 2:
+            return suspected
+        held = buffer.labels[:len(buffer)].cpu()
+        counts = torch.bincount(held, minlength=self.num_classes)
+        judged = counts[labels.cpu()] >= SUSPECT_MIN_CLASS
+        if int((counts > 0).sum()) < 2 or not judged.any():
+            return suspected
+        sub = torch.randperm(len(buffer), generator=self._suspect_draws)[:SUSPECT_EVAL]
+        memory = self.frozen_features(buffer.images[sub.to(buffer.device)]).float().cpu()
+        k = getattr(getattr(self, "update_policy", None), "k", 3)
+        values = incoming_values(memory, held[sub], frozen[judged.to(frozen.device)].float().cpu(),
+                                 labels.cpu()[judged], k)
+        suspected[judged] = values < 0
+        return suspected
+
+    def correct_sample(self, key: int, old_class: int, new_class: int | None,
+                       stored: torch.Tensor | None = None) -> Correction:
+        """Relabel as `new_class` (None: forget) the sample the caller called `key` (`observe(keys=...)`), learned
+        as `old_class`. The memory finds it by its key; elsewhere `stored` (its stored form, `encode` of its pixels:
+        [1, ...]) says what it was, where the caller still has it. `new_class == old_class`: a person confirmed the
+        label, and the sample is never a suspect again."""
+        if new_class == old_class:
+            self.confirmed.add(key)
+            return Correction()
+        buffer = getattr(self, "buffer", None)
+        slot = buffer.slot_of(key) if buffer is not None else None
+        if slot is not None:
+            stored = buffer.images[slot:slot + 1]
+        if stored is None:
+            return Correction()
+        if new_class is not None:
+            self.ensure_classes(new_class + 1)
+        held = self.held_back
+        if held is not None and held.correct(stored[0], old_class, new_class):
+            self.version += 1
+            return Correction(held_back=True)
+        if self.stream_head is not None:
+            features = self.frozen_features(stored.to(self.device)).float()
+            self.stream_head.remove(features, torch.tensor([old_class]))
+            if new_class is not None:
+                self.stream_head.update(features, torch.tensor([new_class]))
+            self._solved = None
+        if slot is not None:
+            if new_class is None:
+                buffer.remove_slots(torch.tensor([slot]))
+            else:
+                buffer.labels[slot] = new_class
+        self.version += 1
+        return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None)

@@ -1,0 +1,107 @@
+"""Wrong labels, found by ASER's values and corrected (learner.memory.shapley.leave_one_out_values,
+`ReplayLearner.suspects`, `ContinualLearner.correct_sample`), in process on real data: Split EuroSAT tiles as
+Lite0's cut-11 latents, a fifth of their labels flipped to another class of the stream, into ASER's class-balanced
+memory with streaming LDA serving (the service's default, at a small scale)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner import make_learner
+from learner.data import task_batches
+
+CLASSES = [0, 1, 2, 3]
+
+
+def stream(data, flip_share: float, seed: int = 0):
+    """The four classes' training tiles in batches of 10, each with its key (its position in the stream) and a
+    share of the labels flipped to another of the four classes; yields (x, y given, y true, keys)."""
+    flips = torch.Generator().manual_seed(100 + seed)
+    position = 0
+    for x, y in task_batches(data, CLASSES, 10, torch.Generator().manual_seed(seed)):
+        given = y.clone()
+        flip = torch.rand(len(y), generator=flips) < flip_share
+        shift = torch.randint(1, len(CLASSES), (len(y),), generator=flips)
+        given[flip] = (y[flip] + shift[flip]) % len(CLASSES)
+        yield x, given, y, torch.arange(position, position + len(y))
+        position += len(y)
+
+
+def learner_for(backbone):
+    """ASER's memory valuing in the frozen features (the default's space: at its cut the top is the linear head
+    alone), streaming LDA serving; the top above cut 11 steps once only, which these tests do not read."""
+    return make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda",
+                        seed=0, lr=0.01, train_every=10**6, frozen_values=True)
+
+
+@pytest.fixture(scope="module")
+def noisy(eurosat_latents):
+    """A learner that has seen the stream with a fifth of its labels flipped, and each sample's true label."""
+    data, backbone = eurosat_latents
+    learner, truth, given = learner_for(backbone), {}, {}
+    for x, y, true, keys in stream(data, 0.2):
+        learner.observe(x, y, keys=keys)
+        truth.update(zip(keys.tolist(), true.tolist()))
+        given.update(zip(keys.tolist(), y.tolist()))
+    return learner, truth, given
+
+
+def test_the_memory_knows_which_sample_each_slot_holds(noisy):
+    learner, truth, given = noisy
+    buf = learner.buffer
+    keys = buf.keys[:len(buf)].tolist()
+    assert -1 not in keys and len(set(keys)) == len(keys) == len(buf)
+    assert [given[k] for k in keys] == buf.labels[:len(buf)].tolist()  # the label each slot holds is its sample's
+
+
+def test_the_most_suspected_samples_are_mostly_the_flipped_ones(noisy):
+    learner, truth, given = noisy
+    slots, scores = learner.suspects()
+    keys = learner.buffer.keys[slots].tolist()
+    wrong = torch.tensor([truth[k] != given[k] for k in keys])
+    assert wrong.float().mean() > 0.05  # the memory holds flipped samples to find
+    top = wrong[:20].float().mean()
+    assert top >= 0.6 and top > 3 * wrong.float().mean()  # far above the share a random pick finds
+    assert scores[wrong].mean() < 0 < scores[~wrong].mean()
+    assert torch.equal(scores, scores.sort().values)  # most suspected first
+
+
+def test_a_relabel_leaves_the_statistics_as_if_the_label_had_come_right(eurosat_latents):
+    """Relabelled, one flipped sample's features leave its given class and join its true one: streaming LDA's
+    statistics equal those of the same stream with that label right; forgotten, those of the stream without it."""
+    data, backbone = eurosat_latents
+    batches = list(stream(data, 0.2))
+    x, y, true, keys = next(b for b in batches if (b[1] != b[2]).any())
+    at = int(torch.nonzero(y != true)[0])
+    key, wrong, right = int(keys[at]), int(y[at]), int(true[at])
+    fixed = [(bx, torch.where(bk == key, right, by), bk) for bx, by, _, bk in batches]
+    without = [(bx[bk != key], by[bk != key], bk[bk != key]) for bx, by, _, bk in batches]
+    learners = [learner_for(backbone) for _ in range(4)]
+    for learner, run in zip(learners, ([(b[0], b[1], b[3]) for b in batches],) * 2 + (fixed, without)):
+        for bx, by, bk in run:
+            learner.observe(bx, by, keys=bk)
+    relabelled, forgotten, right_all_along, never_came = learners
+    stored = backbone.encode(x[at:at + 1])  # the caller's copy, where the memory has not kept it
+    assert relabelled.correct_sample(key, wrong, right, stored).found
+    assert forgotten.correct_sample(key, wrong, None, stored).found
+    for corrected, reference in ((relabelled, right_all_along), (forgotten, never_came)):
+        ours, theirs = corrected.stream_head.state_dict(), reference.stream_head.state_dict()
+        assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in theirs)
+    assert forgotten.buffer.slot_of(key) is None
+    slot = relabelled.buffer.slot_of(key)
+    assert slot is None or int(relabelled.buffer.labels[slot]) == right
+
+
+def test_a_sample_found_nowhere_changes_nothing(noisy):
+    learner, _, _ = noisy
+    before = learner.stream_head.state_dict()
+    assert not learner.correct_sample(10**9, 0, 1).found
+    assert all(torch.equal(before[k], v) for k, v in learner.stream_head.state_dict().items())
+
+
+def test_the_keys_survive_a_restore(noisy, eurosat_latents):
+    learner, _, _ = noisy
+    again = learner_for(eurosat_latents[1])
+    again.load_state_dict(learner.state_dict())
+    assert torch.equal(again.buffer.keys[:len(again.buffer)], learner.buffer.keys[:len(learner.buffer)])
