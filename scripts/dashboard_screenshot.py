@@ -18,7 +18,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
 from clients.api import ServiceClient
-from clients.bench.local_service import LocalService, real_jpegs
+from clients.bench.live.local_service import LocalService, real_jpegs
 
 TASKS = [["airplane", "automobile"], ["bird", "cat"], ["deer", "dog"]]
 

@@ -174,7 +174,7 @@ api_version=$("$PYTHON" -c "import json, urllib.request as u; print(json.load(u.
 [ "$api_version" = "$version" ] || { echo "the learner's /openapi.json says $api_version, the image $version" >&2; exit 1; }
 say "version $version: the images' label, their tags and the learner's /openapi.json"
 
-smoke=("$PYTHON" -m clients.bench.smoke --learner "http://127.0.0.1:$learner_port" "${replicas[@]}"
+smoke=("$PYTHON" -m clients.bench.live.smoke --learner "http://127.0.0.1:$learner_port" "${replicas[@]}"
        --data "$DATA" --ledger "$WORK/ledger.json")
 "${smoke[@]}" stream
 learner=$(compose ps -q learner)

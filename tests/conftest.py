@@ -41,7 +41,7 @@ def cifar10_more(cache_dir):
 @pytest.fixture(scope="session")
 def eurosat_latents(cache_dir):
     """Split EuroSAT, 120 training and 40 test tiles a class, as cut-11 latents at 64 px, and the backbone."""
-    from clients.bench.latents import encoded_dataset
+    from clients.bench.stream.latents import encoded_dataset
     from learner.data import load_dataset
     from learner.networks.backbone import make_backbone
 
@@ -87,7 +87,7 @@ def camera_photos(tmp_path_factory):
 
     from PIL import Image
 
-    from clients.bench.local_service import real_jpegs
+    from clients.bench.live.local_service import real_jpegs
 
     zipped, sent = tmp_path_factory.mktemp("photos") / "photos.zip", {}
     with zipfile.ZipFile(zipped, "w") as z:

@@ -5,7 +5,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from clients.api import ServiceClient
-from clients.bench.local_service import real_jpegs
+from clients.bench.live.local_service import real_jpegs
 
 from .conftest import CIFAR10_ZIP
 from .test_forget import wait_idle

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from clients.bench.benchmark import build_parser, main
-from clients.bench.resume import run_identity
-from clients.bench.speed import _learner_step
+from clients.bench.cost.speed import _learner_step
+from clients.bench.stream.resume import run_identity
 from learner.methods.registry import PAPER_SETTINGS
 
 from .conftest import CIFAR10_ZIP
@@ -160,7 +160,7 @@ def test_via_scores_a_model_that_has_learned_nothing_as_wrong(tmp_path, cifar10_
     any class (it answers 409 no_classes): that model is wrong on every test image, not a crash. A
     service that never trains (its batch never fills) stands for it, deterministically."""
     from clients.api import ServiceClient
-    from clients.bench.via_service import evaluate_via
+    from clients.bench.stream.via_service import evaluate_via
 
     from .test_service import Server
 

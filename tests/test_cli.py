@@ -13,7 +13,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from clients.bench.local_service import free_port, real_jpegs
+from clients.bench.live.local_service import free_port, real_jpegs
 
 from .conftest import EUROSAT_ZIP, ROOT
 from .test_service import Server

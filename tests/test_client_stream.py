@@ -1,4 +1,4 @@
-"""A real client's view (clients.bench.client_stream): a fresh service on its defaults, fed Split
+"""A real client's view (clients.bench.live.client_stream): a fresh service on its defaults, fed Split
 EuroSAT's real photos over HTTP task by task, answers the seen classes well above chance, trains every
 photo sent once, and its ONNX snapshot answers every held-out photo as /predict does."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import zipfile
 
-from clients.bench import client_stream
-from clients.bench.local_service import file_number, real_jpegs, split_of
+from clients.bench.live import client_stream
+from clients.bench.live.local_service import file_number, real_jpegs, split_of
 
 from .conftest import EUROSAT_ZIP
 
@@ -39,4 +39,4 @@ def test_a_paced_split_stream_through_the_service_is_learned_and_the_snapshot_an
     parity = run["onnx_parity"]
     assert parity["compared"] == 50 and parity["same_top1"] == 50 and parity["max_probability_gap"] < 1e-3
     assert run["serving_head"] == parity["snapshot_head"] == "slda"
-    assert result["command"].startswith("python -m clients.bench.client_stream")
+    assert result["command"].startswith("python -m clients.bench.live.client_stream")

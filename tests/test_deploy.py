@@ -14,7 +14,7 @@ import time
 import httpx
 import yaml
 
-from clients.bench.local_service import free_port
+from clients.bench.live.local_service import free_port
 from service.settings import Settings
 
 from .conftest import ROOT

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from clients.api import ServiceClient
-from clients.bench.local_service import real_jpegs
+from clients.bench.live.local_service import real_jpegs
 
 from .conftest import CIFAR10_ZIP
 from .test_online import wait_trained

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clients.bench.image_costs import band_script, jpegtran_scans, lying_jpeg, repeat_last_scan, textured
+from clients.bench.cost.image_costs import band_script, jpegtran_scans, lying_jpeg, repeat_last_scan, textured
 from learner.formats.jpeg_structure import read_structure
 from learner.formats.snapshot import MAX_PIXELS, MAX_SCANS, ImageRejected, read_image
 

@@ -16,6 +16,9 @@ LEARNER_LAYERS = {"formats": set(), "networks": set(), "memory": {"networks"}, "
 # the same for service's folders; its top-level modules (settings, metrics, the two programs) may import any
 SERVICE_LAYERS = {"storage": set(), "learning": {"storage"}, "web": {"learning", "storage"}}
 SERVICE_SHARED = {"service", "service.settings", "service.metrics"}  # what every folder may read
+# the same for the benchmark's folders (clients/bench/__init__.py)
+BENCH_LAYERS = {"stream": set(), "live": {"stream"}, "cost": {"stream", "live"}}
+BENCH_SHARED = {"clients.bench.results", "clients.bench.machine"}
 
 
 def module_name(path: Path) -> str:
@@ -100,17 +103,25 @@ def test_each_learner_folder_imports_only_the_folders_below_it():
     assert not wrong
 
 
-def test_each_service_folder_imports_only_the_folders_below_it():
+@pytest.mark.parametrize("package,layers,shared", [
+    ("service", SERVICE_LAYERS, SERVICE_SHARED),
+    ("clients.bench", BENCH_LAYERS, BENCH_SHARED | {"clients.bench.benchmark", "clients.api", "clients.onnx_client"})])
+def test_each_folder_of_the_service_and_the_benchmark_imports_only_the_folders_below_it(package, layers, shared):
+    depth = package.count(".") + 1  # where the folder's name is in a module's dotted name
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[depth] if module.startswith(package + ".") and len(parts) > depth + 1 else None
+
     wrong = []
     for m, deps in GRAPH.items():
-        parts = m.split(".")
-        if parts[0] != "service" or len(parts) < 3 or parts[1] not in SERVICE_LAYERS:
+        if folder(m) not in layers:
             continue
-        allowed = SERVICE_LAYERS[parts[1]] | {parts[1]}
-        wrong += [f"{m} -> {d}" for d in deps if d.startswith("service") and d not in SERVICE_SHARED
-                  and (d.count(".") < 2 or d.split(".")[1] not in allowed)]
+        allowed = layers[folder(m)] | {folder(m)}
+        wrong += [f"{m} -> {d}" for d in deps
+                  if d.startswith(package.split(".")[0]) and d not in shared and folder(d) not in allowed]
     assert not wrong
-    assert all(any(m.startswith(f"service.{f}.") for m in GRAPH) for f in SERVICE_LAYERS)  # the folders exist
+    assert all(any(m.startswith(f"{package}.{f}.") for m in GRAPH) for f in layers)  # the folders exist
 
 
 def test_the_checker_finds_a_cycle():

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from clients.api import ServiceClient
-from clients.bench.local_service import real_jpegs
+from clients.bench.live.local_service import real_jpegs
 
 from .conftest import CIFAR10_ZIP
 from .test_service import Server

@@ -145,8 +145,8 @@ def realtime_run(tmp_path, cache_dir, *extra, seed=0, costs=None, method="er"):
     1 ms a sample; `costs` replace the run's configuration's (plain ER's and ER-ACE's, the lean
     form, stay)."""
     from clients.bench.benchmark import build_parser
-    from clients.bench.protocol import run_once
-    from clients.bench.realtime import configuration_key
+    from clients.bench.stream.protocol import run_once
+    from clients.bench.stream.realtime import configuration_key
     from learner.data import load_dataset
 
     from .conftest import CIFAR10_ZIP
@@ -233,7 +233,7 @@ def assert_the_table_reports(queue: dict, bounded: dict) -> None:
     """`table` shows a real-time run's shares of the stream and anytime accuracy, and `--compare`
     the anytime accuracy's paired difference."""
     from clients.bench.results import comparisons, group, run_label
-    from clients.bench.tables import summary_table
+    from clients.bench.stream.tables import summary_table
 
     groups = group([queue, bounded])
     lines = summary_table(groups).splitlines()
@@ -249,7 +249,7 @@ def assert_the_table_reports(queue: dict, bounded: dict) -> None:
 
 def test_calibrate_only_writes_the_cost_model_in_cpu_seconds_with_its_command(tmp_path, cache_dir):
     from clients.bench.benchmark import build_parser, main
-    from clients.bench.realtime import configuration_key
+    from clients.bench.stream.realtime import configuration_key
 
     from .test_resume import ROOT, run_args
 

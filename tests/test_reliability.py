@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clients.api import ServiceClient
-from clients.bench.local_service import free_port
+from clients.bench.live.local_service import free_port
 from service.learning.worker import LearnerWorker
 from service.settings import Settings
 from service.storage.checkpoints import CheckpointStore
@@ -306,14 +306,15 @@ def test_a_restart_never_serves_a_model_version_again(tmp_path, cifar10_slice):
     while worker.train_available():
         seen.append(worker.predictor.version)
     assert worker.checkpoints.latest() is None and len(set(seen)) == len(seen) == 4
-    again = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)  # the crash: nothing more written
+    again = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)  # the crash: nothing written
     assert again.predictor.samples_trained == 0 and again.predictor.version > max(seen)
     while again.train_available():
         seen.append(again.predictor.version)
     assert again.predictor.samples_trained == 20 and seen == sorted(set(seen))
     again.checkpoint()
-    third = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)  # a clean restart: the same model,
-    assert third.predictor.steps == 4 and third.predictor.version > max(seen)   # a new number
+    # a clean restart: the same model, a new number
+    third = LearnerWorker.open(worker.opened_with, worker.checkpoints.db, worker.store)
+    assert third.predictor.steps == 4 and third.predictor.version > max(seen)
 
 
 def test_a_learner_without_a_memory_restarts_from_its_checkpoint(tmp_path, cifar10_slice, monkeypatch):
@@ -457,8 +458,8 @@ def server_with_snapshot(tmp_path_factory, jpegs):
 def test_torture_concurrent_use_and_kills_lose_nothing(tmp_path):
     """Ingest through all three forms, /status and /metrics polled ten times a second, snapshots
     every two steps, checkpoints every step, SIGKILL and restart every few seconds (the longer
-    run is `python -m clients.bench.torture`, results/reliability/torture-cpu.json)."""
-    from clients.bench.torture import run
+    run is `python -m clients.bench.live.torture`, results/reliability/torture-cpu.json)."""
+    from clients.bench.live.torture import run
 
     result = run(CIFAR10_ZIP, seconds=30, kill_every=7, rate=30, data_dir=tmp_path / "svc",
                  env={"ASER_BACKBONE": "scratch"})  # as the committed run: a kill's cost is not the backbone's

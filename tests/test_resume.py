@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from clients.bench.benchmark import build_parser, main
-from clients.bench.protocol import run_once
-from clients.bench.resume import CheckpointMismatch, load_run_state, run_identity
+from clients.bench.stream.protocol import run_once
+from clients.bench.stream.resume import CheckpointMismatch, load_run_state, run_identity
 from learner.data import load_dataset
 
 from .conftest import CIFAR10_ZIP, ROOT
@@ -104,7 +104,7 @@ def test_a_later_option_is_part_of_the_identity_and_an_older_checkpoint_is_compa
 
 
 def test_a_sweep_goes_on_from_the_checkpoint_a_cut_off_session_left(tmp_path, cache_dir):
-    from clients.bench.sweep import checkpoint_path, sweep
+    from clients.bench.stream.sweep import checkpoint_path, sweep
 
     grid = tmp_path / "grid.toml"
     grid.write_text(f'[data]\ncifar10 = "{CIFAR10_ZIP}"\n\n[[runs]]\ndataset = "cifar10"\nmethod = "er"\n'

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 import service
-from clients.bench.local_service import LocalService
+from clients.bench.live.local_service import LocalService
 
 from .conftest import CIFAR10_ZIP, ROOT
 

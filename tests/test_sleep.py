@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from clients.bench.local_service import real_jpegs
+from clients.bench.live.local_service import real_jpegs
 
 from .conftest import EUROSAT_ZIP
 from .test_service import Server, status

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from clients.bench.benchmark import build_parser
-from clients.bench.protocol import run_once
+from clients.bench.stream.protocol import run_once
 from learner import make_learner
 from learner.data import load_dataset
 from learner.methods.augment import BatchAugment, StrongAugment
@@ -150,7 +150,7 @@ def test_the_logit_bias_is_the_one_fitted_on_the_memorys_logits(cifar10_slice):
 def test_an_evaluation_answers_on_shared_features_as_each_correction_does_alone(cifar10_slice, serving):
     """The benchmark's evaluation takes one feature pass for the head, the NCM and the other bias:
     each answers exactly as a whole pass of its own over the images."""
-    from clients.bench.protocol import evaluate
+    from clients.bench.stream.protocol import evaluate
     from learner.data import task_test_set
     from learner.heads.ncm import memory_ncm
 

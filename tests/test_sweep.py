@@ -11,8 +11,8 @@ import pytest
 
 from clients.bench.benchmark import main
 from clients.bench.results import comparisons, paired_difference
-from clients.bench.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
-from clients.bench.tables import comparison_table, load_paper, summary_table
+from clients.bench.stream.sweep import Lock, RunSpec, expand, read_grid, run_one, sweep
+from clients.bench.stream.tables import comparison_table, load_paper, summary_table
 
 from .conftest import CIFAR10_ZIP
 
@@ -117,7 +117,7 @@ def test_a_grid_naming_a_method_this_code_lacks_is_refused(tmp_path):
 def test_a_sweep_whose_code_changed_starts_no_more_runs(tmp_path, cache_dir, monkeypatch):
     """A running sweep names runs by the code it started with: once its file changes (an option added to the
     names), it would take a new run for one already done; it starts nothing more and says to restart it."""
-    import clients.bench.sweep as sweep_module
+    import clients.bench.stream.sweep as sweep_module
 
     monkeypatch.setattr(sweep_module, "STARTED_AS", "an older file")
     lines: list[str] = []

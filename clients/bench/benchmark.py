@@ -17,6 +17,23 @@ from pathlib import Path
 
 import torch
 
+from clients.bench.machine import resolve_device
+from clients.bench.results import comparisons, group, load_results, write_result
+from clients.bench.stream.latents import encoded_dataset, frozen_forward_cpu_ms
+from clients.bench.stream.plots import plot_accuracy, plot_seeds
+from clients.bench.stream.protocol import augment_policy, format_matrix, run_once, stream_costs
+from clients.bench.stream.realtime import DEFAULT_COST_MODEL
+from clients.bench.stream.resume import CheckpointMismatch
+from clients.bench.stream.tables import (
+    anytime_comparison_table,
+    candidates_table,
+    comparison_table,
+    corrections_table,
+    load_paper,
+    noise_table,
+    seeds_table,
+    summary_table,
+)
 from learner import METHODS
 from learner.catch_up import MEMORY_SHARE
 from learner.data import CLASSES, PHOTOS, ImageDataset, load_dataset
@@ -29,23 +46,6 @@ from learner.methods.sleep import DRAWS as SLEEP_DRAWS
 from learner.methods.sleep import SOURCES as SLEEP_SOURCES
 from learner.networks.backbone import BACKBONES, make_backbone
 from learner.networks.lite0 import POOLED
-
-from .latents import encoded_dataset, frozen_forward_cpu_ms
-from .machine import resolve_device
-from .plots import plot_accuracy, plot_seeds
-from .protocol import augment_policy, format_matrix, run_once, stream_costs
-from .realtime import DEFAULT_COST_MODEL
-from .results import comparisons, group, load_results, write_result
-from .resume import CheckpointMismatch
-from .tables import (
-    anytime_comparison_table,
-    candidates_table,
-    comparison_table,
-    corrections_table,
-    load_paper,
-    seeds_table,
-    summary_table,
-)
 
 
 def output_path(out: str, seed: int, several: bool) -> Path:
@@ -107,7 +107,7 @@ def cmd_run(args) -> int:
 
 def with_backbone(args, data: ImageDataset) -> ImageDataset:
     """Build the run's pretrained backbone, time its frozen forward on this thread, and give the
-    dataset as its cached latents (`clients.bench.latents`)."""
+    dataset as its cached latents (`clients.bench.stream.latents`)."""
     args.backbone_object = make_backbone(args.backbone, data.image_shape, args.input_size, args.cut,
                                          args.latent_bits, standardize=args.standardize_features)
     args.frozen_forward_cpu_ms = frozen_forward_cpu_ms(args.backbone_object, data.train_x)
@@ -131,6 +131,8 @@ def cmd_table(args) -> int:
         text += "\n" + candidates
     if corrections := corrections_table(results):
         text += "\n" + corrections
+    if noise := noise_table(groups):
+        text += "\n" + noise
     text += "\n## A_T by seed\n\n" + seeds_table(groups)
     print(text)
     if args.out:
@@ -258,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "the trained top or their mean: learner.heads.head_choice), on the incoming samples, or "
                           "--choose-head held-back: on samples of every class held back from training "
                           "(learner.heads.held_back); every evaluation scores each too")
+    run.add_argument("--label-noise", type=float, default=0.0, metavar="P",
+                     help="a share P of the stream's labels flipped to another class seen so far (the test set stays "
+                          "clean); the result scores the memory's suspects against the flips (stream/noise.py)")
+    run.add_argument("--suspect-rule", action="store_true",
+                     help="keep an incoming sample whose ASER value to the memory is below zero out of the streaming "
+                          "head (learner.methods.corrections)")
     run.add_argument("--calibrate", action="store_true",
                      help="divide the served logits by a temperature fitted on held-back samples and score \"none of "
                           "these\" (learner.heads.calibration; the service's default)")
@@ -305,9 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--seeds-plot", action="append", metavar="DATASET:M:PNG",
                        help="plot A_T per seed of the compared configurations for one dataset and M")
     table.set_defaults(func=cmd_table)
-    from .speed import add_parser as add_speed_parser
-    from .sweep import add_parser as add_sweep_parser
-    from .young import add_parser as add_young_parser
+    from clients.bench.cost.speed import add_parser as add_speed_parser
+    from clients.bench.stream.sweep import add_parser as add_sweep_parser
+    from clients.bench.stream.young import add_parser as add_young_parser
 
     add_speed_parser(sub)
     add_sweep_parser(sub)

@@ -65,6 +65,8 @@ def run_label(result: dict) -> str:
     'er (ace, aug, 3 iter, ema 0.99)'
     >>> run_label({"method": "er", "settings": {"loss": "ace", "rehearsals": 3}})
     'er (ace, 3 rehearsals a batch)'
+    >>> run_label({"method": "er", "settings": {}, "label_noise": {"rate": 0.2}})
+    'er (noise 0.2)'
     >>> run_label({"method": "cb-sv-duel", "settings": {"loss": "ace", "feature_max_age": 0}})
     'cb-sv-duel (ace, age 0)'
     >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "2x", "max_lag_s": 60.0,
@@ -102,6 +104,8 @@ def run_label(result: dict) -> str:
         modes.append(f"replay {settings['replay_batch']}")
     if settings.get("feature_max_age", 100) != 100:  # fresh or staler features never pool with the default bound
         modes.append(f"age {settings['feature_max_age']}")
+    if noise := result.get("label_noise"):  # a noisy stream never pools with the clean one
+        modes.append(f"noise {noise['rate']:g}")
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
         modes.append(f"{settings['train_per_class']}/class")
     if backbone := settings.get("backbone"):  # the pretrained backbone: its input size, cut and latent bits
@@ -113,7 +117,8 @@ def run_label(result: dict) -> str:
                      + (f" until {settings['trained_head_from']} a class" if settings.get("trained_head_from") else "")
                      + {True: " or the head measured better", "held-back": " or the head measured better on held-back "
                         "samples"}.get(settings.get("choose_head"), "")
-                     + (f", prior {settings['head_prior']}" if settings.get("head_prior") else ""))
+                     + (f", prior {settings['head_prior']}" if settings.get("head_prior") else "")
+                     + (", suspect rule" if settings.get("suspect_rule") else ""))
     if backbone and settings.get("lr", 0.1) != 0.1:
         modes.append(f"lr {settings['lr']:g}")
     if result.get("via"):
@@ -180,7 +185,7 @@ def cpu_seconds(result: dict) -> float | None:
 
 def anytime_at(point: str):
     """A run's accuracy on the classes seen so far once each new class has sent `point` images,
-    averaged over the tasks (`clients.bench.protocol.AnytimeProbe`)."""
+    averaged over the tasks (`clients.bench.stream.protocol.AnytimeProbe`)."""
     return lambda r: r.get("anytime", {}).get(point)
 
 

@@ -5,9 +5,9 @@ Split EuroSAT tiles brought to 160 px, each configuration built afresh, its memo
 `--warm` samples, then `observe` timed (process CPU) over the next `--timed`, batches of ten, one thread; the
 configurations take turns `--rounds` times (a loaded machine slows them alike). What is timed is the learner's own
 work a batch (the frozen part, streaming LDA, the held-back samples, the memory's update, a step where one is
-taken), not the service's (decoding, the log, the latent store's writes, snapshots: `clients.bench.sleep_cost`).
+taken), not the service's (decoding, the log, the latent store's writes, snapshots: `clients.bench.cost.sleep_cost`).
 
-    python -m clients.bench.awake_cost --out results/speed/awake-cost.json
+    python -m clients.bench.cost.awake_cost --out results/speed/awake-cost.json
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from clients.bench.machine import machine_description
 from learner import make_learner
 from learner.data import load_dataset
 from learner.methods.sleep import SleepConfig
 from learner.networks.backbone import make_backbone
 from learner.networks.lite0 import POOLED
-
-from .machine import machine_description
 
 SIZE = 160
 
@@ -79,7 +78,8 @@ def main(argv=None) -> int:
               "best_of_rounds_over_default": {name: round(min(v) / default, 3) for name, v in measured.items()},
               "input_size": SIZE, "mem_size": 200, "warm": args.warm, "timed": args.timed,
               "machine": machine_description(torch.device("cpu")),
-              "command": "python -m clients.bench.awake_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m clients.bench.cost.awake_cost "
+              + shlex.join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

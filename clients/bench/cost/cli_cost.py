@@ -1,9 +1,9 @@
 """Does `aser add` keep the learner as busy as the benchmark's client? The same camera photos into two fresh
-services on their defaults: one fed by `clients.bench.service_cost`'s client (the Python client, batches of 10, as
+services on their defaults: one fed by `clients.bench.cost.service_cost`'s client (the Python client, batches of 10, as
 fast as acknowledged), one by `aser add` on the photos written as a folder a class; trained photos a second from the
 first photo sent to the last one trained, and the learner's CPU a trained photo, for each.
 
-    python -m clients.bench.cli_cost --photos 3000 --out results/speed/cli-add.json
+    python -m clients.bench.cost.cli_cost --photos 3000 --out results/speed/cli-add.json
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..api import ServiceClient
-from .local_service import LocalService
-from .machine import machine_description
-from .results import write_result
-from .service_cost import ProcessWatch, camera_photos, ingest, wait_trained
+from clients.api import ServiceClient
+from clients.bench.cost.service_cost import ProcessWatch, camera_photos, ingest, wait_trained
+from clients.bench.live.local_service import LocalService
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
 
 
 def through_the_cli(service: LocalService, photos: list[tuple[str, bytes]], folder: Path, batch: int) -> dict:
@@ -48,7 +48,7 @@ def through_the_cli(service: LocalService, photos: list[tuple[str, bytes]], fold
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.bench.cli_cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m clients.bench.cost.cli_cost", description=__doc__.split("\n")[0])
     p.add_argument("--photos-zip", default="../shared/datasets/mini-imagenet-slice.zip")
     p.add_argument("--photos", type=int, default=3000)
     p.add_argument("--batch", type=int, default=20, help="aser add's photos a request (its default)")
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     out = {"benchmark_client": by_client, "aser_add": by_cli,
            "ratio_trained_per_s": round(by_cli["trained_per_s"] / by_client["trained_per_s"], 3),
            "machine": machine_description(torch.device("cpu")),
-           "command": "python -m clients.bench.cli_cost " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python -m clients.bench.cost.cli_cost " + " ".join(sys.argv[1:] if argv is None else argv),
            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_result(Path(args.out), out)
     print({k: out[k] for k in ("ratio_trained_per_s",)}, by_client["trained_per_s"], by_cli["trained_per_s"])

@@ -10,7 +10,7 @@ process whose CPU seconds and peak resident memory are measured.
 - the worst accepted: a progressive JPEG at the coefficient cap with MAX_SCANS scans, and a baseline
   JPEG at Pillow's bomb limit, both under the 1 MB body limit.
 
-    python -m clients.bench.image_costs --out results/images/image-costs.json
+    python -m clients.bench.cost.image_costs --out results/images/image-costs.json
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from clients.bench.results import write_result
 from learner.formats.jpeg_structure import read_structure
 from learner.formats.snapshot import MAX_COEFFICIENT_BYTES, MAX_SCANS
-
-from .results import write_result
 
 BODY_LIMIT = 1024 * 1024  # the service's default ASER_MAX_IMAGE_BYTES
 
@@ -147,7 +146,7 @@ def measure(data: bytes, size: int, how: str = "rule") -> dict:
         f.write(data)
         f.flush()
         out = subprocess.run([sys.executable, "-c", _CHILD, f.name, str(size), how], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).resolve().parents[2]).stdout.split()
+                             check=True, cwd=Path(__file__).resolve().parents[3]).stdout.split()
     answer = " ".join(out[:-4])
     wall, cpu, rss0, rss1 = (float(x) for x in out[-4:])
     structure = read_structure(data)
@@ -184,7 +183,7 @@ def cases() -> dict[str, bytes]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m clients.bench.image_costs", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m clients.bench.cost.image_costs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=32, help="the model's input size the rule fits images to")
     parser.add_argument("--out", help="write the measurements (JSON) here")
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  without the checks: {rows[f'{name}, decoded without the marker checks']}", flush=True)
     result = {"cases": rows, "max_scans": MAX_SCANS, "max_coefficient_mib": MAX_COEFFICIENT_BYTES // 2**20,
               "decodes_at_once": os.cpu_count(), "machine": f"{os.cpu_count()} cores",
-              "command": "python -m clients.bench.image_costs " + " ".join(argv or sys.argv[1:]),
+              "command": "python -m clients.bench.cost.image_costs " + " ".join(argv or sys.argv[1:]),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.out:
         write_result(args.out, result)

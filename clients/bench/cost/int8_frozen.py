@@ -10,7 +10,7 @@ the pooled features, over the benchmark's protocol (A_T and the anytime accuracy
 head is order-free at the end, not along the stream). Rule (issue 63): an option made default only if
 A_T and anytime stay within 0.5 points and it is faster.
 
-    python -m clients.bench.int8_frozen --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
+    python -m clients.bench.cost.int8_frozen --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
         --out results/speed/int8-frozen-eurosat.json
 """
 
@@ -27,16 +27,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clients.bench.benchmark import build_parser
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
+from clients.bench.stream.latents import encoded_dataset
+from clients.bench.stream.protocol import run_once
 from learner.data import CLASSES, load_dataset
 from learner.networks.backbone import PretrainedBackbone
 from learner.networks.frozen_runtime import RUN_BATCH, _Lower, onnx_graph, session_of
 from learner.networks.lite0 import POOLED, resize_pixels
-
-from .benchmark import build_parser
-from .latents import encoded_dataset
-from .machine import machine_description
-from .protocol import run_once
-from .results import write_result
 
 CALIBRATION_PER_CLASS = 10
 
@@ -106,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                        "max": round(float(diffs.max()), 2)}
     result |= {"int8_minus_fp32": paired, "calibration_images": len(calibration), "threads": 1,
                "machine": machine_description(torch.device("cpu")),
-               "command": "python -m clients.bench.int8_frozen " + " ".join(sys.argv[1:] if argv is None else argv),
+               "command": "python -m clients.bench.cost.int8_frozen "
+               + " ".join(sys.argv[1:] if argv is None else argv),
                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("cpu_ms_an_image", "int8_minus_fp32")}, indent=2))

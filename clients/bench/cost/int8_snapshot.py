@@ -7,7 +7,7 @@ variant), and two replicas follow it, one serving each (ASER_REPLICA_INT8). Both
 one-image /predict (`--latency` requests each, one onnxruntime thread a replica, the client on the
 same machine), beside the files' sizes.
 
-    python -m clients.bench.int8_snapshot --data ../shared/datasets/cifar10-jpeg.zip \
+    python -m clients.bench.cost.int8_snapshot --data ../shared/datasets/cifar10-jpeg.zip \
         --out results/pretrained/int8-snapshot.json
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from ..api import ServiceClient
-from .local_service import LocalService, real_jpegs
-from .machine import machine_description
-from .results import write_result
+from clients.api import ServiceClient
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
 
 LEARNER_ENV = {"ASER_BACKBONE": "lite0", "ASER_SNAPSHOT_INT8": "true", "ASER_SNAPSHOT_EVERY_STEPS": "0",
                "ASER_CHECKPOINT_EVERY_STEPS": "1000"}
@@ -101,13 +101,13 @@ def measure(args) -> dict:
                                      "p95": round(statistics.quantiles(ms, n=20)[18], 2)} for v, ms in latency.items()},
         "settings": LEARNER_ENV, "replica_threads": 1,
         "machine": machine_description(torch.device("cpu")),
-        "command": "python -m clients.bench.int8_snapshot " + " ".join(sys.argv[1:]),
+        "command": "python -m clients.bench.cost.int8_snapshot " + " ".join(sys.argv[1:]),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.bench.int8_snapshot", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m clients.bench.cost.int8_snapshot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="the CIFAR-10 zip")
     p.add_argument("--train", type=int, default=1000, help="training images (all ten classes)")

@@ -15,8 +15,8 @@ checkout's service, for a before/after on one machine), and measures:
    (80, and 320: several times what it trains) for --lag-seconds: the largest lag /status showed, trained
    and skipped.
 
-    python -m clients.bench.service_cost --out results/speed/service-cost-after.json
-    python -m clients.bench.service_cost --tree ../before --out results/speed/service-cost-before.json
+    python -m clients.bench.cost.service_cost --out results/speed/service-cost-after.json
+    python -m clients.bench.cost.service_cost --tree ../before --out results/speed/service-cost-before.json
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from clients.api import ServiceClient
+from clients.bench.live.load import percentile
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
 from learner.formats.snapshot import read_image
-
-from ..api import ServiceClient
-from .load import percentile
-from .local_service import LocalService, real_jpegs
-from .machine import machine_description
-from .results import write_result
 
 PER_CLASS = 60  # the slice's photos a class
 CAMERA = (640, 480)
@@ -280,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(kv.split("=", 1) for kv in args.env)
     photos = camera_photos(Path(args.photos_zip), args.photos)
     tree = Path(args.tree).resolve()
-    result = {"command": "python -m clients.bench.service_cost " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m clients.bench.cost.service_cost "
+              + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": machine_description(torch.device("cpu")), "cores": os.cpu_count(), "tree": str(tree),
               "env": env, "finished": None}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """What a sleep (ASER_SLEEP) costs the awake service: ingest, predictions, memory and the lag bound.
 
-On camera-sized JPEGs of real photos (`clients.bench.service_cost.camera_photos`), fresh services:
+On camera-sized JPEGs of real photos (`clients.bench.cost.service_cost.camera_photos`), fresh services:
 1. ingest awake: the same photos into the default and into a sleeping service (ASER_SLEEP, no idle sleep during it):
    CPU milliseconds a trained photo, photos a second, the learner's peak RSS;
 2. /predict of one photo on the sleeping service, idle, then while it sleeps (POST /sleep over those photos): p50 and
@@ -9,7 +9,7 @@ On camera-sized JPEGs of real photos (`clients.bench.service_cost.camera_photos`
    samples a second that starts while a sleep is under way: the largest lag /status showed, how long the sleep took
    to yield, and what was trained and skipped.
 
-    python -m clients.bench.sleep_cost --out results/speed/sleep-cost.json
+    python -m clients.bench.cost.sleep_cost --out results/speed/sleep-cost.json
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..api import ServiceClient
-from .local_service import LocalService, real_jpegs
-from .machine import machine_description
-from .results import write_result
-from .service_cost import ProcessWatch, camera_photos, ingest, latencies, wait_trained
+from clients.api import ServiceClient
+from clients.bench.cost.service_cost import ProcessWatch, camera_photos, ingest, latencies, wait_trained
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
 
 AWAKE = {"ASER_SLEEP_IDLE_S": "86400"}  # no idle sleep: sleeps come when asked
 
@@ -90,7 +90,7 @@ def stream_into_a_sleep(service: LocalService, samples: list[tuple[str, bytes]],
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.bench.sleep_cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m clients.bench.cost.sleep_cost", description=__doc__.split("\n")[0])
     p.add_argument("--photos-zip", default="../shared/datasets/mini-imagenet-slice.zip")
     p.add_argument("--cifar", default="../shared/datasets/cifar10-jpeg.zip", help="the stream into a sleep")
     p.add_argument("--photos", type=int, default=1500)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         "predict_p99_ratio": round(out["predict_during_sleep"]["p99_ms"] / out["predict_idle"]["p99_ms"], 2),
         "peak_rss_mb_during_sleep": out["peak_rss_mb_during_sleep"],
         "worst_lag_s_streaming_into_a_sleep": out["stream_into_a_sleep"]["worst_lag_s"]}
-    command = "python -m clients.bench.sleep_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m clients.bench.cost.sleep_cost " + " ".join(sys.argv[1:] if argv is None else argv)
     out |= {"machine": machine_description(torch.device("cpu")), "command": command,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_result(Path(args.out), out)

@@ -39,12 +39,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from clients.bench.results import write_result
 from learner import make_learner
 from learner.data import CLASSES
 from learner.methods.base import training_channels_last
 from learner.networks.reduced_resnet import ReducedResNet18
-
-from .results import write_result
 
 
 def _bare_step(channels_last: bool, autocast_dtype, device, x, y, compile: bool = False, num_classes: int = 10):
@@ -198,7 +197,7 @@ def ratios(cases: dict) -> dict:
 
 
 def cmd_speed(args) -> int:
-    from .machine import machine_description, resolve_device
+    from clients.bench.machine import machine_description, resolve_device
 
     device = resolve_device(args.device)
     if args.threads:

@@ -3,7 +3,7 @@ empty data directory receives a data set's training photos over HTTP (NDJSON `PO
 task, two classes a task in the data set's order, the task's classes interleaved, as a device in the
 field would send them. Measured through `POST /predict` on `--test-per-class` held-out photos of
 every class seen so far: once each new class has sent 10, 100 and 1000 photos (the benchmark's
-anytime accuracy, `clients.bench.protocol.AnytimeProbe`), and at the end of each task. At the end: the head
+anytime accuracy, `clients.bench.stream.protocol.AnytimeProbe`), and at the end of each task. At the end: the head
 the service serves (and its stream-measured choice), and the ONNX snapshot's parity with `/predict`
 (the same top-1 label on every test photo, the largest gap in its probability). With `--rate R` the
 device sends R photos a second, ten at a time, and a service that rehearses while idle
@@ -11,9 +11,9 @@ device sends R photos a second, ten at a time, and a service that rehearses whil
 seconds after every N photos, as a device's day has idle hours (a service with ASER_SLEEP sleeps then), and once its
 stream has ended it waits for the service's sleep over what is new before the final measure (`after_idle`).
 
-    python -m clients.bench.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
+    python -m clients.bench.live.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
         --out results/client-stream/eurosat-default.json
-    python -m clients.bench.client_stream --data ../shared/datasets/cifar10-jpeg.zip --train-per-class 1000 \\
+    python -m clients.bench.live.client_stream --data ../shared/datasets/cifar10-jpeg.zip --train-per-class 1000 \\
         --out results/client-stream/cifar10-default.json
 """
 
@@ -33,14 +33,13 @@ from pathlib import Path
 import torch
 
 from clients.api import ServiceClient
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
+from clients.bench.stream.protocol import ANYTIME_POINTS
+from clients.bench.stream.sweep import seeds as parse_seeds
+from clients.bench.stream.via_service import paced
 from clients.onnx_client import OnnxClassifier
-
-from .local_service import LocalService, real_jpegs
-from .machine import machine_description
-from .protocol import ANYTIME_POINTS
-from .results import write_result
-from .sweep import seeds as parse_seeds
-from .via_service import paced
 
 CLASSES_A_TASK = 2
 LARGE = 10**9  # every photo a class has
@@ -62,8 +61,8 @@ def accuracy(client: ServiceClient, test: list[tuple[str, bytes]]) -> tuple[floa
 
 def measured(client: ServiceClient, test: list[tuple[str, bytes]]) -> dict:
     """/predict on (label, photo) pairs, every class's probability: the top-1 accuracy, how far the probabilities
-    mean what they say (`clients.bench.protocol.calibration_figures`) and the share called "none of these"."""
-    from .protocol import calibration_figures
+    mean what they say (`clients.bench.stream.protocol.calibration_figures`) and the share called "none of these"."""
+    from clients.bench.stream.protocol import calibration_figures
 
     labels, rows, unknown = sorted({label for label, _ in test}), [], 0
     for i in range(0, len(test), 64):
@@ -236,7 +235,8 @@ def main(argv=None) -> int:
               **({"quiet_every": args.quiet_every, "quiet_s": args.quiet_s} if args.quiet_every else {}),
               "env": env, "mean": mean, "runs": runs,
               "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
-              "command": "python -m clients.bench.client_stream " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m clients.bench.live.client_stream "
+              + shlex.join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(mean))
     if args.out:

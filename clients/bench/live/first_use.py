@@ -4,9 +4,9 @@ training JPEGs of each of the ten classes through `POST /samples`, trains on the
 held-out test JPEGs a class through `POST /predict`. One run a seed (ASER_SEED); the result file holds
 each run's top-1 accuracy, overall and by class, the settings and the command.
 
-    python -m clients.bench.first_use --data ../shared/datasets/cifar10-jpeg.zip --seeds 0-4 \\
+    python -m clients.bench.live.first_use --data ../shared/datasets/cifar10-jpeg.zip --seeds 0-4 \\
         --out results/first-use/default.json
-    python -m clients.bench.first_use --env ASER_BACKBONE=scratch --seeds 0-4 --out results/first-use/scratch.json
+    python -m clients.bench.live.first_use --env ASER_BACKBONE=scratch --seeds 0-4 --out results/first-use/scratch.json
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 from clients.api import ServiceClient
-
-from .local_service import LocalService, real_jpegs
-from .machine import machine_description
-from .results import write_result
-from .sweep import seeds as parse_seeds
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
+from clients.bench.stream.sweep import seeds as parse_seeds
 
 CLASSES = 10
 TEST_PER_CLASS = 100
@@ -75,7 +74,7 @@ def main(argv=None) -> int:
     accuracies = [r["accuracy"] for r in runs]
     result = {"per_class": args.per_class, "classes": CLASSES, "test_per_class": TEST_PER_CLASS, "env": env,
               "accuracy_mean": sum(accuracies) / len(accuracies), "runs": runs, "machine": f"{machine_description(torch.device('cpu')).split(',')[0]}, {os.cpu_count()} cores",
-              "command": "python -m clients.bench.first_use " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m clients.bench.live.first_use " + shlex.join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.out:
         write_result(args.out, result)

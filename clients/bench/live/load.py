@@ -11,7 +11,7 @@ method) on a free loopback port with a temporary data directory, or uses --url. 
    reports predictions/s, p50/p90/p99/max latency, and the training steps taken meanwhile
    (proof that training ran). Concurrent predictions share forward passes (micro-batching).
 
-    python -m clients.bench.load --data ../shared/datasets/cifar10-jpeg.zip --out results/load/load-cpu.json
+    python -m clients.bench.live.load --data ../shared/datasets/cifar10-jpeg.zip --out results/load/load-cpu.json
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import httpx
 
-from ..api import ServiceClient
-from .local_service import LocalService, real_jpegs
-from .results import write_result
+from clients.api import ServiceClient
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.results import write_result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.stop()
         if tmp is not None:
             tmp.cleanup()
-    from .machine import machine_description, resolve_device
+    from clients.bench.machine import machine_description, resolve_device
 
     result = {
         "machine": machine_description(resolve_device("cpu")),
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "ingest": ingest,
         "predict_while_training": predict,
         "ingest_over_training": round(ingest["ingest_samples_per_s"] / max(ingest["train_samples_per_s"], 1e-9), 1),
-        "command": "python -m clients.bench.load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m clients.bench.live.load " + " ".join(argv if argv is not None else sys.argv[1:]),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     write_result(args.out, result)

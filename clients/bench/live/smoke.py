@@ -1,9 +1,9 @@
 """Smoke test of a deployed learner and its inference replicas, through their APIs alone
 (docker-compose, Kubernetes, or anything else that serves them).
 
-    python -m clients.bench.smoke --learner URL --replica URL --replica URL --ledger FILE stream
+    python -m clients.bench.live.smoke --learner URL --replica URL --replica URL --ledger FILE stream
     ... kill the learner, start it again ...
-    python -m clients.bench.smoke --learner URL --replica URL --replica URL --ledger FILE verify
+    python -m clients.bench.live.smoke --learner URL --replica URL --replica URL --ledger FILE verify
 
 The learner is called with ASER_ADMIN_TOKEN, the replicas with ASER_READ_TOKEN (the variables
 the service reads). It expects a learner with an empty log.
@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..api import Retry, ServiceClient, ServiceError, new_id
-from .local_service import real_jpegs
+from clients.api import Retry, ServiceClient, ServiceError, new_id
+from clients.bench.live.local_service import real_jpegs
 
 FIRST_CLASSES, LATER_CLASSES = ["airplane", "automobile"], ["bird", "cat"]
 PATIENT = Retry(attempts=40, backoff=0.25, max_pause=2.0)  # rides out a restart of the learner

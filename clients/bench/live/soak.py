@@ -13,12 +13,13 @@ they take together). At the end it stops the service and checks, in the database
 every acknowledged id within the id horizon is there exactly once, under the sequence number it was
 acknowledged with, and that the log's rows are exactly the sequence numbers acknowledged.
 
-    python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 --out results/reliability/soak-cpu.json
+    python -m clients.bench.live.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 10 \
+        --out results/reliability/soak-cpu.json
 
 A sustained overload is the same run faster than the learner, with a lag bound: the series then
 shows the lag held near the bound and the shares trained and skipped.
 
-    python -m clients.bench.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 6 --rate 60 \
+    python -m clients.bench.live.soak --data ../shared/datasets/cifar10-jpeg.zip --minutes 6 --rate 60 \
         --env ASER_METHOD=sv-upd --env ASER_MAX_LAG_S=30 --out results/load/overload-cpu.json
 """
 
@@ -35,9 +36,9 @@ from pathlib import Path
 
 import httpx
 
-from ..api import Retry, ServiceClient, ServiceError
-from .local_service import LocalService, real_jpegs
-from .results import write_result
+from clients.api import Retry, ServiceClient, ServiceError
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.results import write_result
 
 # ER-ACE as the committed soak results ran it (the options that now default on under er, pinned off)
 SOAK_ENV = {"ASER_METHOD": "er", "ASER_LOSS": "ace", "ASER_AUGMENT": "false", "ASER_ITERATIONS": "1",
@@ -151,12 +152,12 @@ def soak(args) -> dict:
         service.stop()
     return {"settings": env, "rate_per_s": args.rate, "minutes": args.minutes, "batch": args.batch,
             "answers": answers, "series": series, "check": verify(data_dir / "aser.db", acknowledged, recent),
-            "command": "python -m clients.bench.soak " + " ".join(sys.argv[1:]),
+            "command": "python -m clients.bench.live.soak " + " ".join(sys.argv[1:]),
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.bench.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m clients.bench.live.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="the CIFAR-10 zip (real JPEGs to send)")
     p.add_argument("--rate", type=float, default=30.0, help="samples per second")

@@ -18,7 +18,7 @@ Then it checks, through the API alone:
   alive with no restart and no error;
 - a graceful restart at the end resumes the same lineage.
 
-    python -m clients.bench.torture --data ../shared/datasets/cifar10-jpeg.zip --seconds 300 \
+    python -m clients.bench.live.torture --data ../shared/datasets/cifar10-jpeg.zip --seconds 300 \
         --kill-every 8 --out results/reliability/torture-cpu.json
 """
 
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import httpx
 
-from ..api import Retry, ServiceClient, ServiceError, new_id
-from .local_service import LocalService, real_jpegs
-from .results import write_result
+from clients.api import Retry, ServiceClient, ServiceError, new_id
+from clients.bench.live.local_service import LocalService, real_jpegs
+from clients.bench.results import write_result
 
 SERVICE_ENV = {"ASER_CHECKPOINT_EVERY_STEPS": "1", "ASER_SNAPSHOT_EVERY_STEPS": "2", "ASER_MEM_SIZE": "100",
                "ASER_MAX_BATCH_WAIT_S": "0.2"}
@@ -305,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".cache/bench/torture-cpu.json", help="the result file (results/ only when named)")
     args = p.parse_args(argv)
     result = run(Path(args.data), args.seconds, args.kill_every, args.rate, log_path=args.log, seed=args.seed)
-    from .machine import machine_description, resolve_device
+    from clients.bench.machine import machine_description, resolve_device
 
     result.update(machine=machine_description(resolve_device("cpu")),
-                  command="python -m clients.bench.torture " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  command="python -m clients.bench.live.torture "
+                  + " ".join(argv if argv is not None else sys.argv[1:]),
                   measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("kills", "samples_sent", "samples_trained", "problem_count", "passed")}))

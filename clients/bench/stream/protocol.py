@@ -14,6 +14,11 @@ from pathlib import Path
 
 import torch
 
+from clients.bench.machine import machine_description, resolve_device
+from clients.bench.results import matrix_summary
+from clients.bench.stream.noise import LabelNoise
+from clients.bench.stream.realtime import Stream, cost_model, simulate
+from clients.bench.stream.resume import load_run_state, run_identity, save_run_state
 from learner import make_learner
 from learner.data import ImageDataset, task_batches, task_test_set
 from learner.heads.head_choice import CANDIDATES
@@ -22,11 +27,6 @@ from learner.methods.augment import AUGMENTATIONS
 from learner.methods.registry import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 from learner.methods.sleep import SleepConfig
 from learner.metrics import brier_score, expected_calibration_error
-
-from .machine import machine_description, resolve_device
-from .realtime import Stream, cost_model, simulate
-from .results import matrix_summary
-from .resume import load_run_state, run_identity, save_run_state
 
 
 def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | None = None) -> dict[str, list]:
@@ -86,7 +86,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     """One full stream for one seed; returns the result record. With `checkpoint`, the run's state
     is saved there after each task and a run started again on it goes on from there."""
     if args.via:
-        from .via_service import run_via
+        from clients.bench.stream.via_service import run_via
 
         bar = _progress(stream_steps(data, data.tasks(args.tasks), args.batch_size, args.one_class_batches),
                         f"{args.method} via {args.via} seed {seed}", progress)
@@ -102,6 +102,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
     passes, evaluate_each = stream_passes(args, data, tasks)
+    noise = LabelNoise(args.label_noise, seed) if getattr(args, "label_noise", 0) else None
     run = {"done": 0, "matrix": [], "ncm_matrix": [], "trained_matrix": [], "replay_share": [], "train_seconds": 0.0,
            "resumed_at": [], "machines": []}
     identity = run_identity(args, data, seed)
@@ -111,6 +112,8 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
         stream_gen.set_state(saved["stream"])
         torch.set_rng_state(saved["torch_rng"])
         run = {**saved["progress"], "resumed_at": [*saved["progress"]["resumed_at"], saved["progress"]["done"]]}
+        if noise is not None:
+            noise.load_state_dict(saved["noise"])
     machine = machine_description(device)  # a resumed run's legs may have run on several
     run["machines"] = [*[m for m in run["machines"] if m != machine], machine]
     n_steps = sum(pass_steps(args, data, classes) for classes in passes)
@@ -118,7 +121,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     bar.update(sum(pass_steps(args, data, classes) for classes in passes[:run["done"]]))
     for classes in passes[run["done"]:]:
         train_pass(learner, data, classes, args, stream_gen, run, bar, evaluate_each,
-                   last=run["done"] == len(passes) - 1)
+                   last=run["done"] == len(passes) - 1, noise=noise)
         run["done"] += 1
         if run["done"] == len(passes) and not evaluate_each:
             record(evaluate(learner, data, tasks), run)
@@ -127,13 +130,30 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
         sys.stdout.flush()  # the line a sweep's log shows for a run in progress
         if checkpoint and run["done"] < len(passes):
             save_run_state(checkpoint, {"run": identity, "progress": run, "learner": learner.state_dict(),
-                                        "stream": stream_gen.get_state(), "torch_rng": torch.get_rng_state()}, data)
+                                        "stream": stream_gen.get_state(), "torch_rng": torch.get_rng_state(),
+                                        **({"noise": noise.state_dict()} if noise else {})}, data)
     bar.close()
-    return result_record(args, data, seed, device, learner, run)
+    result = result_record(args, data, seed, device, learner, run)
+    if noise is not None:
+        result["label_noise"] = noise_record(noise, learner, data, tasks)
+    return result
+
+
+def noise_record(noise: LabelNoise, learner, data: ImageDataset, tasks: list[list[int]]) -> dict:
+    """How well the memory's suspects find the flips, and the served accuracy at the end once the flipped samples
+    found are relabelled (the stream's last evaluation before it)."""
+    record = {**noise.detection(learner), "kept_out_of_streaming_head": learner.suspects_kept_out}
+    if "memory" in record:
+        before = evaluate(learner, data, tasks)["head"]
+        record["corrected"] = noise.correct_found(learner)
+        after = evaluate(learner, data, tasks)["head"]
+        record["final_accuracy"] = round(sum(before) / len(before), 2)
+        record["final_accuracy_corrected"] = round(sum(after) / len(after), 2)
+    return record
 
 
 def run_realtime(args, data: ImageDataset, seed: int) -> dict:
-    """One stream for one seed under the real-time protocol (`clients.bench.realtime`)."""
+    """One stream for one seed under the real-time protocol (`clients.bench.stream.realtime`)."""
     device = resolve_device(args.device)
     torch.manual_seed(seed)
     tasks = data.tasks(args.tasks)
@@ -250,7 +270,8 @@ def serving_options(args) -> dict:
             **({"trained_head_from": args.trained_head_from} if args.trained_head_from else {}),
             **({"choose_head": args.choose_head} if getattr(args, "choose_head", False) else {}),
             **({"head_prior": args.head_prior} if getattr(args, "head_prior", None) else {}),
-            **({"calibrate": True} if getattr(args, "calibrate", False) else {})}
+            **({"calibrate": True} if getattr(args, "calibrate", False) else {}),
+            **({"suspect_rule": True} if getattr(args, "suspect_rule", False) else {})}
 
 
 def stream_passes(args, data: ImageDataset, tasks: list[list[int]]) -> tuple[list[list[int]], bool]:
@@ -268,7 +289,7 @@ def pass_steps(args, data: ImageDataset, classes: list[int]) -> int:
 
 
 def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen, run: dict, bar,
-               evaluate_after: bool, last: bool = False) -> None:
+               evaluate_after: bool, last: bool = False, noise: LabelNoise | None = None) -> None:
     """Observe one pass's mini-batches once each; for a task, evaluate on every task after it, and
     on the classes seen so far once each new class has sent ANYTIME_POINTS images (`anytime`). With a sleep
     schedule, a sleep once `--sleep-every` samples are new, and after the `last` pass's stream (the device idle)."""
@@ -278,8 +299,13 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
         learner.begin_task(classes)
     replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
     anytime = AnytimeProbe(data, data.tasks(args.tasks), len(run["matrix"]), classes) if evaluate_after else None
+    if noise is not None:
+        noise.begin(classes)
     for x, y in task_batches(data, classes, args.batch_size, stream_gen, one_class):
-        stats = learner.observe(x, y)
+        keys = None
+        if noise is not None:
+            y, keys = noise.flip(y)
+        stats = learner.observe(x, y, keys=keys)
         replayed += stats.get("replayed", 0)
         incoming += stats.get("replayed_incoming", 0)
         if anytime is not None:

@@ -3,19 +3,19 @@ convergence (TensorFlow Lite Model Maker's head-only transfer), on the same spli
 online runs. The online learner sees each sample once, in tasks; this one sees the whole training set
 at once, as often as it needs: what a linear head on ImageNet's frozen features can reach.
 
-The pooled features at the input size (the benchmark's latent cache, `clients.bench.latents`),
+The pooled features at the input size (the benchmark's latent cache, `clients.bench.stream.latents`),
 standardised on the training set; multinomial logistic regression solved by L-BFGS (full batch,
 strong Wolfe line search) with an L2 penalty chosen on a held-out tenth of the training set among
 L2_GRID, then solved again on all of it. A_T is the benchmark's: the mean over tasks of the accuracy on
 each task's test set. Reference (b), the trainable top trained i.i.d. for several epochs, is the
 benchmark's own `--method iid-offline` on the same backbone (results/grid-adaptive.toml).
 
-    python -m clients.bench.reference --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
+    python -m clients.bench.stream.reference --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
         --input-size 160 --out results/pretrained/eurosat/reference-head-only-lite0-160px.json
 
 `--dataset photos` reads a folder or zip of photos of any size (`train/<class>/*` and `test/<class>/*`), each
 brought to the input size by the service's own input rule (`learner.data`'s photo sets), so the reference sees what
-`clients.bench.client_stream` sends the service; its tasks are two classes each, as there.
+`clients.bench.live.client_stream` sends the service; its tasks are two classes each, as there.
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from clients.bench.machine import machine_description
+from clients.bench.results import write_result
+from clients.bench.stream.latents import encoded_dataset
 from learner.data import CLASSES, PHOTOS, load_dataset
 from learner.networks.backbone import PretrainedBackbone
-
-from .latents import encoded_dataset
-from .machine import machine_description
-from .results import write_result
 
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 MAX_ITERATIONS = 1000
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
               "fit_cpu_seconds": round(time.process_time() - cpu, 1),
               "train_samples": len(y), "test_samples": len(encoded.test_y), "threads": args.threads,
               "machine": machine_description(torch.device("cpu")),
-              "command": "python -m clients.bench.reference " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m clients.bench.stream.reference " + " ".join(sys.argv[1:] if argv is None else argv),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("average_accuracy", "accuracy", "accuracy_by_task", "l2")}))

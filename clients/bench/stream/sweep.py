@@ -166,6 +166,10 @@ class RunSpec:
             parts.append(f"prior{extra['head_prior']}")
         if extra.get("calibrate"):
             parts.append("cal")
+        if extra.get("label_noise"):
+            parts.append(f"noise{extra['label_noise']}")
+        if extra.get("suspect_rule"):
+            parts.append("suspects")
         if extra.get("train_every", 1) != 1:
             parts.append(f"every{extra['train_every']}")
         if extra.get("optimizer", "sgd") != "sgd":
@@ -300,7 +304,7 @@ def run_one(spec: RunSpec, data: str, target: Path, threads: int, device: str, l
         with open(log_path, "w") as log:
             code = subprocess.run(spec.command(data, partial, threads, device, checkpoint_path(target)),
                                   stdout=log, stderr=subprocess.STDOUT,
-                                  cwd=Path(__file__).resolve().parents[2]).returncode
+                                  cwd=Path(__file__).resolve().parents[3]).returncode
         if code != 0 or not partial.exists():
             raise RuntimeError(f"{target.name}: the run failed (exit {code}); see {log_path}")
         os.replace(partial, target)
@@ -407,7 +411,7 @@ def cmd_sweep(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="run every combination of a grid whose result file is missing (resumable)")
-    p.add_argument("grid", help="a TOML or YAML grid (see clients/bench/sweep.py)")
+    p.add_argument("grid", help="a TOML or YAML grid (see clients/bench/stream/sweep.py)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--out", default="results", help="result folder (files go to OUT/<dataset>/)")
     p.add_argument("--threads", type=int, help="threads in all, split between the jobs (default: all cores)")

@@ -14,9 +14,7 @@ import math
 import tomllib
 from pathlib import Path
 
-from learner import METHODS
-
-from .results import (
+from clients.bench.results import (
     ANYTIME_COLUMNS,
     REALTIME_COLUMNS,
     SUMMARY_COLUMNS,
@@ -24,6 +22,7 @@ from .results import (
     fmt,
     paired_difference,
 )
+from learner import METHODS
 
 
 def load_paper(path: Path) -> dict:
@@ -203,6 +202,38 @@ def candidates_table(groups: dict[tuple, list[dict]]) -> str:
                      f"{' | '.join(diffs)} | {_signed(anytime)} |")
     return "\n".join(lines) + ("\n\nEvery candidate scored at each evaluation of the same run (A_T in %); differences "
                                "paired within runs, mean ± 95% t-interval.\n")
+
+
+def noise_table(groups: dict[tuple, list[dict]]) -> str:
+    """Runs on a noisy stream (`--label-noise`): how noisy the memory ended, how well its most suspected samples
+    find the flips, the valuation's CPU, and the served accuracy at the end before and after the flipped samples
+    found are relabelled; "" without such runs.
+
+    >>> run = lambda p, a, b: {"label_noise": {"memory": 1000, "memory_flipped": 170, "precision_at_100": p,
+    ...     "recall_at_100": p / 2, "precision_below_zero": 0.8, "recall_below_zero": 0.7, "suspects_cpu_seconds": 0.06,
+    ...     "final_accuracy": a, "final_accuracy_corrected": b}}
+    >>> noise_table({("d", 10, "x"): [run(0.84, 92.0, 92.1), run(0.80, 92.5, 92.5)]}).splitlines()[2].split(" | ")[3:6]
+    ['17.0 ± 0.0', '82.0 ± 25.4', '41.0 ± 12.7']
+    """
+    rows = [(key, [r["label_noise"] for r in rs]) for key, rs in sorted(groups.items())
+            if all("memory" in r.get("label_noise", {}) for r in rs)]
+    if not rows:
+        return ""
+    lines = ["| dataset | configuration | seeds | memory flipped (%) | precision @100 (%) | recall @100 (%) "
+             "| precision, value < 0 (%) | recall, value < 0 (%) | valuation CPU s | A_T at the end "
+             "| after relabelling the flips found (pts) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (dataset, _, label), ns in rows:
+        pct = lambda key: fmt([100 * n[key] for n in ns])  # noqa: E731
+        gain = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
+                                 {i: n["final_accuracy_corrected"] for i, n in enumerate(ns)})
+        flipped = fmt([100 * n["memory_flipped"] / n["memory"] for n in ns])
+        lines.append(f"| {dataset} | {label} | {len(ns)} | {flipped} | {pct('precision_at_100')} "
+                     f"| {pct('recall_at_100')} | {pct('precision_below_zero')} | {pct('recall_below_zero')} "
+                     f"| {fmt([n['suspects_cpu_seconds'] for n in ns])} | {fmt([n['final_accuracy'] for n in ns])} "
+                     f"| {_signed(gain)} |")
+    return "\n".join(lines) + ("\n\nThe memory's samples valued against each other (mean KNN-SV, the sample left "
+                               "out); precision and recall of the flips among the 100 most suspected and among those "
+                               "below zero; mean ± 95% t-interval over seeds.\n")
 
 
 def _signed(d: dict) -> str:

@@ -8,7 +8,7 @@ score (the distance to the nearest class mean) and of other rules (the lack of c
 the false-alarm rate at the threshold the held-back samples chose (against the one set) and the share of unknowns it
 catches, beside the accuracy and the calibration on the learned classes.
 
-    python -m clients.bench.unknowns --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
+    python -m clients.bench.stream.unknowns --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
         --far-dataset mini-imagenet --far-data ../shared/datasets/mini-imagenet-slice.zip --seed 0 \\
         --out results/calibration/unknowns-eurosat-seed0.json
 """
@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
+from clients.bench.machine import machine_description
+from clients.bench.stream.latents import encoded_dataset
 from learner import make_learner
 from learner.data import ImageDataset, load_dataset, task_batches
 from learner.metrics import auroc, brier_score, expected_calibration_error
 from learner.networks.backbone import make_backbone
 from learner.networks.lite0 import POOLED
-
-from .latents import encoded_dataset
-from .machine import machine_description
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -127,7 +126,7 @@ def main(argv=None) -> int:
                         far.test_x[:args.far_images]),
               "train_cpu_seconds": round(train_cpu, 1), "machine": machine_description(torch.device("cpu")),
               "python": platform.python_version(), "torch": torch.__version__,
-              "command": "python -m clients.bench.unknowns " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+              "command": "python -m clients.bench.stream.unknowns " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

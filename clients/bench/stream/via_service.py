@@ -19,11 +19,10 @@ import time
 import torch
 from PIL import Image
 
+from clients.api import ServiceClient, ServiceError
+from clients.bench.results import matrix_summary
 from learner.data import ImageDataset, task_batches, task_test_set
 from learner.methods.objective import ReplayObjective
-
-from ..api import ServiceClient, ServiceError
-from .results import matrix_summary
 
 
 def png_bytes(image: torch.Tensor) -> bytes:

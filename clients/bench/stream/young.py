@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
+from clients.bench.results import paired_difference
+from clients.bench.stream.sweep import seeds as parse_seeds
 from learner import make_learner
 from learner.data import load_dataset
-
-from .results import paired_difference
-from .sweep import seeds as parse_seeds
 
 CORRECTIONS = {"none": {}, "bn": {"bn": "memory"}, "bias": {"bias": True}, "bn+bias": {"bn": "memory", "bias": True}}
 TASKS = [[0, 1], [2, 3], [4, 5]]

@@ -1,0 +1,86 @@
+"""Noisy labels in the benchmark's stream (`run --label-noise P`): a share P of the stream's samples, drawn
+independently, arrive labelled as another class seen so far (symmetric flips; the test set stays clean). Every sample
+goes to the learner with its stream position as its key (`observe(keys=...)`), so that at the end the memory's
+suspects (`ReplayLearner.suspects`: ASER's KNN-SV of each remembered sample to the others) are scored against the
+flips exactly, and the flipped samples found are corrected (`correct_sample`, as `PATCH /samples/{seq}` does) to
+measure what correcting them gives back.
+
+>>> noise = LabelNoise(0.5, seed=0)
+>>> noise.begin([0, 1])
+>>> y, keys = noise.flip(torch.zeros(8, dtype=torch.long))
+>>> int((y != 0).sum()) == len(noise.flipped), keys.tolist()
+(True, [0, 1, 2, 3, 4, 5, 6, 7])
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUSPECTS_SCORED = 100  # the goal reads precision among the 100 most suspected
+
+
+class LabelNoise:
+    def __init__(self, rate: float, seed: int):
+        self.rate = rate
+        self.generator = torch.Generator().manual_seed(10_007 + seed)  # apart from the stream's order
+        self.flipped: dict[int, tuple[int, int]] = {}  # stream position -> (label given, true label)
+        self.sent = 0
+        self.seen: list[int] = []  # the classes the stream has sent so far
+
+    def begin(self, classes: list[int]) -> None:
+        """A pass of the stream starts with these classes."""
+        self.seen = sorted(set(self.seen) | set(classes))
+
+    def flip(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's labels, each flipped with probability `rate` to another class seen so far, and its keys."""
+        given = labels.clone()
+        draws = torch.rand(labels.numel(), generator=self.generator)
+        picks = torch.randint(max(len(self.seen) - 1, 1), (labels.numel(),), generator=self.generator)
+        keys = torch.arange(self.sent, self.sent + labels.numel())
+        for i, y in enumerate(labels.tolist()):
+            others = [c for c in self.seen if c != y]
+            if others and draws[i] < self.rate:
+                given[i] = others[int(picks[i]) % len(others)]
+                self.flipped[int(keys[i])] = (int(given[i]), y)
+        self.sent += labels.numel()
+        return given, keys
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "flipped": dict(self.flipped), "sent": self.sent,
+                "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.flipped, self.sent, self.seen = dict(state["flipped"]), state["sent"], list(state["seen"])
+
+    def detection(self, learner) -> dict:
+        """Precision and recall of the memory's most suspected samples, how noisy the memory is, and the CPU the
+        valuation took."""
+        import time
+
+        record = {"rate": self.rate, "flipped": len(self.flipped), "sent": self.sent}
+        if getattr(learner, "buffer", None) is None or len(learner.buffer) == 0:
+            return record
+        cpu0 = time.process_time()
+        slots, scores = learner.suspects()
+        cpu = time.process_time() - cpu0
+        keys = learner.buffer.keys[slots.cpu()].tolist()
+        wrong = torch.tensor([k in self.flipped for k in keys])
+        top, below = wrong[:SUSPECTS_SCORED], scores < 0
+        return {**record, "memory": len(keys), "keyed": sum(k >= 0 for k in keys), "memory_flipped": int(wrong.sum()),
+                f"precision_at_{SUSPECTS_SCORED}": round(float(top.float().mean()), 4),
+                f"recall_at_{SUSPECTS_SCORED}": round(float(top.sum()) / max(int(wrong.sum()), 1), 4),
+                "suspected_below_zero": int(below.sum()),
+                "precision_below_zero": round(float(wrong[below].float().mean()), 4) if below.any() else None,
+                "recall_below_zero": round(float(wrong[below].sum()) / max(int(wrong.sum()), 1), 4),
+                "suspects_cpu_seconds": round(cpu, 3)}
+
+    def correct_found(self, learner) -> int:
+        """Relabel the flipped samples among the SUSPECTS_SCORED most suspected, as a user shown them would; returns
+        how many."""
+        slots, _ = learner.suspects(SUSPECTS_SCORED)
+        found = [k for k in learner.buffer.keys[slots.cpu()].tolist() if k in self.flipped]
+        for key in found:
+            given, true = self.flipped[key]
+            learner.correct_sample(key, given, true)
+        return len(found)
