@@ -218,6 +218,22 @@ class ServiceClient:
         """Forget a class for good (admin): its samples, memory, predictions and snapshots."""
         return self._json("DELETE", f"/classes/{quote(label, safe='')}", retry=False, timeout=180)
 
+    def sample(self, seq: int) -> dict:
+        """One sample by its sequence number: label, state, whether its pixels are kept and the memory holds it."""
+        return self._json("GET", f"/samples/{int(seq)}")
+
+    def suspects(self, limit: int = 20) -> list[dict]:
+        """The memory's samples most likely mislabelled, most suspected first."""
+        return self._json("GET", "/suspects", params={"limit": limit})["suspects"]
+
+    def relabel(self, seq: int, label: str) -> dict:
+        """Give a sample its right label (admin); the same label again changes nothing (safe to retry)."""
+        return self._json("PATCH", f"/samples/{int(seq)}", json={"label": label}, timeout=180)
+
+    def forget_sample(self, seq: int) -> dict:
+        """Forget one sample for good (admin); asked again, the same answer (safe to retry)."""
+        return self._json("DELETE", f"/samples/{int(seq)}", timeout=180)
+
     def sleep(self) -> dict:
         """With ASER_SLEEP (admin): train the top over what the service holds as soon as no sample waits."""
         return self._json("POST", "/sleep", retry=False)

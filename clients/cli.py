@@ -9,6 +9,9 @@
     aser status [--watch]
     aser sleep                              # with ASER_SLEEP: train the top now
     aser forget LABEL --yes
+    aser suspects [--limit 20] [--json]     # the samples most likely mislabelled (ASER's values)
+    aser relabel SEQ LABEL                  # a sample's right label
+    aser forget-sample SEQ --yes
 
 The service is `--url` (or ASER_URL; http://127.0.0.1:8000), the token `--token` (or ASER_TOKEN). A sample's id is
 derived from its label and its file's bytes, and `add` keeps a journal of what the service acknowledged (beside the
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from .api import Retry, ServiceClient, ServiceError
+from clients.api import Retry, ServiceClient, ServiceError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}  # what the service reads (docs/api.md)
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -352,6 +355,42 @@ def cmd_forget(args, client) -> int:
     return 0
 
 
+def cmd_suspects(args, client) -> int:
+    rows = client.suspects(args.limit)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'seq':>8}  {'given':<20} {'the model says':<26} value")
+    for r in rows:
+        seq = "?" if r["seq"] is None else r["seq"]
+        says = f"{r['answer']} ({r['probability']:.2f})"
+        print(f"{seq:>8}  {str(r['label']):<20} {says:<26} {r['value']:+.4f}")
+    return 0
+
+
+def cmd_relabel(args, client) -> int:
+    answer = client.relabel(args.seq, args.label)
+    print(f"sample {args.seq}: {answer['previous_label']!r} -> {answer['label']!r}" + correction_note(answer))
+    return 0
+
+
+def cmd_forget_sample(args, client) -> int:
+    if not args.yes:
+        raise CliError(f"forgetting sample {args.seq} removes it for good (its pixels, its memory slot, its share of "
+                       "the model): add --yes")
+    answer = client.forget_sample(args.seq)
+    print(f"forgot sample {args.seq} ({answer['previous_label']!r})" + correction_note(answer))
+    return 0
+
+
+def correction_note(answer: dict) -> str:
+    if not answer["learned"]:
+        return ", before the model learned it"
+    where = [w for w, key in (("its memory slot", "in_memory"), ("the held-back samples", "held_back"),
+                              ("streaming LDA", "stream_head")) if answer[key]]
+    return f"; corrected in {', '.join(where)}" if where else "; the model had nothing of it to correct"
+
+
 def cmd_sleep(args, client) -> int:
     answer = client.sleep()
     print(f"sleep requested: a budget of {answer['budget']} sample-updates over {answer['new_samples']} new samples")
@@ -361,7 +400,7 @@ def cmd_sleep(args, client) -> int:
 def open_onnx(path: str | None):
     if path is None:
         return None
-    from .onnx_client import OnnxClassifier, SnapshotError
+    from clients.onnx_client import OnnxClassifier, SnapshotError
 
     try:
         return OnnxClassifier(path)
@@ -411,11 +450,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("label")
     f.add_argument("--yes", action="store_true", help="yes, for good")
     command("sleep", help="with ASER_SLEEP: train the top over what the device holds, now")
+    su = command("suspects", help="the remembered samples most likely mislabelled, by ASER's values")
+    su.add_argument("--limit", type=int, default=20)
+    su.add_argument("--json", action="store_true")
+    r = command("relabel", help="give a sample (its sequence number) its right label")
+    r.add_argument("seq", type=int)
+    r.add_argument("label")
+    fs = command("forget-sample", help="forget one sample (its sequence number) for good")
+    fs.add_argument("seq", type=int)
+    fs.add_argument("--yes", action="store_true", help="yes, for good")
     return p
 
 
 COMMANDS = {"add": cmd_add, "predict": cmd_predict, "evaluate": cmd_evaluate, "snapshot": cmd_snapshot,
-            "status": cmd_status, "forget": cmd_forget, "sleep": cmd_sleep}
+            "status": cmd_status, "forget": cmd_forget, "sleep": cmd_sleep, "suspects": cmd_suspects,
+            "relabel": cmd_relabel, "forget-sample": cmd_forget_sample}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,3 +187,44 @@ def test_dashboard_says_which_head_answers_each_class(browser, tmp_path):
         assert all(r.find_elements(By.TAG_NAME, "td")[1].text == "slda" for r in rows)  # too young: not the prior
     finally:
         server.stop()
+
+
+def test_the_suspects_are_reviewed_in_the_page(browser, tmp_path):
+    """The suspects card: on request, the memory's most suspected samples with their image, the label sent and the
+    model's answer; its buttons relabel, confirm or forget one, through PATCH and DELETE /samples/{seq}."""
+    server = Server(tmp_path / "svc", method="er", mem_size=40).start()
+    try:
+        samples = [("frog" if label == "airplane" and i % 5 == 0 else label, data)  # a few airplanes sent as frogs
+                   for i, (label, data) in enumerate(two_classes(40))]
+        with ServiceClient(server.url) as client:
+            client.stream_samples(samples)
+            wait_trained(client, len(samples))
+        browser.get(server.url + "/")
+        wait(browser, lambda d: counter(d, "samples trained") == "80")
+        browser.find_element(By.ID, "find-suspects").click()
+        box = browser.find_element(By.ID, "suspects")
+        wait(browser, lambda d: box.get_attribute("data-count") == "12")
+        listed = httpx.get(server.url + "/suspects", params={"limit": 12}).json()["suspects"]
+        figures = box.find_elements(By.TAG_NAME, "figure")
+        assert [f.get_attribute("data-seq") for f in figures] == [str(s["seq"]) for s in listed]
+        widths = "return [...document.querySelectorAll('#suspects img')].map(i => i.naturalWidth)"
+        wait(browser, lambda d: d.execute_script(widths) == [32] * 12)
+
+        acts = {}
+        for figure in figures:  # relabel one the model disagrees with, confirm one, forget one
+            buttons = {b.get_attribute("data-act"): b for b in figure.find_elements(By.TAG_NAME, "button")}
+            act = next((a for a in ("relabel", "confirm", "forget") if a in buttons and a not in acts.values()), None)
+            if act:
+                buttons[act].click()
+                wait(browser, lambda d, f=figure, a=act: f.get_attribute("data-done") == a)
+                acts[int(figure.get_attribute("data-seq"))] = act
+            if len(acts) == 3:
+                break
+        assert sorted(acts.values()) == ["confirm", "forget", "relabel"]
+        by_seq = {s["seq"]: s for s in listed}
+        for seq, act in acts.items():
+            info = httpx.get(f"{server.url}/samples/{seq}").json()
+            expected = {"relabel": by_seq[seq]["answer"], "confirm": by_seq[seq]["label"], "forget": None}[act]
+            assert info["label"] == expected and (info["state"] == "forgotten") == (act == "forget")
+    finally:
+        server.stop()

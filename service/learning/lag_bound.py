@@ -52,4 +52,5 @@ class LagBound:
         """Pass `entries` through the memory without a gradient step; what `CatchUp.skip` did."""
         return self.catch_up.skip(learner, time.monotonic(), torch.tensor([e.class_id for e in entries]),
                                   lambda idx: images_from_blobs([entries[i].image for i in idx.tolist()], image_shape),
-                                  lean=self.lean_when_behind)  # over the bound is behind: lean
+                                  lean=self.lean_when_behind,  # over the bound is behind: lean
+                                  keys=torch.tensor([e.seq for e in entries]))

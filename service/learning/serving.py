@@ -127,17 +127,19 @@ class MemoryView:
     class_ids: tuple[int, ...]
     entered: tuple[int, ...]  # samples trained when the slot was written
     images: torch.Tensor  # uint8 [size, 3, H, W]
+    seqs: tuple[int, ...] = ()  # the ingest log's sequence number of each slot's sample (-1: not known)
 
     @classmethod
     def of(cls, learner: ContinualLearner) -> "MemoryView":
         buffer = getattr(learner, "buffer", None)
         if buffer is None:
-            return cls((), (), torch.zeros(0, dtype=torch.uint8))
+            return cls((), (), torch.zeros(0, dtype=torch.uint8), ())
         n = buffer.size
         pictures = buffer.pictures if buffer.images.dtype != torch.uint8 or buffer.images.dim() != 4 else buffer.images
         if pictures is None:  # a latent memory restored from before pictures were kept
             pictures = torch.zeros((buffer.capacity, 3, 1, 1), dtype=torch.uint8)
-        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()), pictures[:n].cpu().clone())
+        return cls(tuple(buffer.labels[:n].tolist()), tuple(buffer.entered[:n].tolist()), pictures[:n].cpu().clone(),
+                   tuple(buffer.keys[:n].tolist()))
 
     def class_counts(self) -> dict[int, int]:
         return dict(sorted(Counter(self.class_ids).items()))

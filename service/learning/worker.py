@@ -35,6 +35,7 @@ import torch
 
 from learner.methods.base import ContinualLearner
 from service.learning.checkpointing import Checkpointing
+from service.learning.corrections import CorrectionRequests
 from service.learning.forgetting import ForgetRequests
 from service.learning.lag_bound import LagBound
 from service.learning.lineage import LearnerSpec, describe_learner
@@ -66,6 +67,7 @@ class LoopSpec:
     serving_refresh_steps: int
     ncm_refresh_steps: int
     history_max_points: int
+    max_classes: int
     history_every_steps: int
     online_window: int
     idle_rehearsal: bool
@@ -108,6 +110,7 @@ class LearnerWorker:
         self.history = History(db, loop.history_max_points)
         self.schedule = SnapshotSchedule(self.snapshots, loop.snapshots, store, self.image_shape)
         self.forgetting = ForgetRequests(self)
+        self.corrections = CorrectionRequests(self, loop.max_classes)
         self.restarts = 0
         self.last_error: str | None = None
         self.poison = PoisonGuard(store, lambda entry: fails_alone(self._build_learner(), self.learner, entry,
@@ -172,6 +175,7 @@ class LearnerWorker:
         if reserved and learner.version <= reserved:  # the checkpoint is older than what was served since
             learner.rename_weights(above=reserved)
         self.learner = learner
+        self.corrections.restored(extra.get("corrections_upto", 0))  # made after that checkpoint, before a crash
         self.schedule.last_at = learner.steps
         self.checkpointing.restarted(self.progress())
         self._rehearsal_next = 0.0  # monotonic time before which idle rehearsal pauses
@@ -190,6 +194,7 @@ class LearnerWorker:
             while not self._stop.is_set():
                 try:
                     self.forgetting.apply_pending()
+                    self.corrections.apply_pending()
                     self.schedule.serve_requests(self.learner, self.predictor)
                     if (self.train_available() or self.sleep_if_due() or self.rehearse_if_idle()
                             or self.correct_serving_if_idle()):
@@ -250,7 +255,8 @@ class LearnerWorker:
         labels = [e.class_id for e in entries]
         encoded = self.learner.encode_incoming(images.to(self.learner.device))  # the frozen part once, for both
         self.online.score_batch(self.predictor, encoded, labels)  # test-then-train: the model about to step
-        stats = self.learner.observe(images, torch.tensor(labels), lean=lean, encoded=encoded)
+        stats = self.learner.observe(images, torch.tensor(labels), lean=lean, encoded=encoded,
+                                     keys=torch.tensor([e.seq for e in entries]))
         self.last_step_seconds = time.perf_counter() - t0
         self.trained_upto = entries[-1].seq
         self.consistent = True
@@ -399,8 +405,14 @@ class LearnerWorker:
 
     def checkpoint(self) -> bool:
         """Persist the lineage; a failure (disk full, say) is logged and retried later (`checkpointing`)."""
-        return self.checkpointing.save(self.learner, self.trained_upto, {"online": self.online.state_dict()},
-                                       self.progress())
+        saved = self.checkpointing.save(self.learner, self.trained_upto, {
+            "online": self.online.state_dict(), "corrections_upto": self.corrections.applied_upto}, self.progress())
+        if saved:
+            try:
+                self.store.settle_corrections(self.corrections.applied_upto)
+            except Exception:  # a full disk, say: the pixels go at the next checkpoint
+                log.warning("the pixels of forgotten samples stay until the next checkpoint", exc_info=True)
+        return saved
 
     # --- snapshots (service.learning.snapshot_schedule) -------------------------------------------
     def request_snapshot(self) -> Future:

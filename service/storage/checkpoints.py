@@ -108,7 +108,7 @@ class CheckpointStore:
             with self.db.read() as conn:
                 rows = conn.execute("SELECT slot, class_id, image FROM buffer ORDER BY slot").fetchall()
             kept = [r["slot"] for r in rows]  # the slots of a forgotten class are gone from the rows
-            for key in ("entered", "features", "feature_version", "pictures"):
+            for key in ("entered", "keys", "features", "feature_version", "pictures"):
                 if key in meta:
                     meta[key] = meta[key][kept]
             dtype = getattr(torch, meta.get("dtype", "uint8"))  # the images, or a pretrained backbone's latents

@@ -5,6 +5,11 @@ they are first seen, in the same transaction as the sample, so the mapping is as
 the samples themselves. A sample may carry a client-chosen id: a repeated id is not stored
 again, it is answered with the sequence number it got the first time (exactly-once ingest
 across client retries), provided it comes with the same label and the same pixels.
+
+A sample's label may be corrected later, or the sample forgotten (`relabel`, `forget_sample`): each change is
+recorded, in order, in the same transaction (`corrections`), for the worker to apply to a model that learned the
+old label. A forgotten sample keeps its row without pixels, so that a client's retry of its ingest is answered as
+a duplicate instead of storing it again, and training never reads it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,30 @@ class LogEntry:
 
 
 @dataclass(frozen=True)
+class SampleRecord:
+    seq: int
+    class_id: int
+    label: str | None  # None: its class was forgotten
+    received: float
+    sample_id: str | None
+    pixels: bytes | None  # None once retention has dropped them, or the sample was forgotten
+    quarantined: bool
+    forgotten: float | None  # when the sample was forgotten on request
+
+
+@dataclass(frozen=True)
+class LabelChange:
+    """One correction of the log, in the order made (`id`): a sample learned as `old_class` is now `new_class`,
+    or forgotten (None)."""
+
+    id: int
+    seq: int
+    old_class: int
+    new_class: int | None
+    at: float
+
+
+@dataclass(frozen=True)
 class Forgotten:
     class_id: int
     label: str
@@ -57,7 +86,11 @@ CREATE TABLE IF NOT EXISTS classes (id INTEGER PRIMARY KEY, name TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS samples (seq INTEGER PRIMARY KEY AUTOINCREMENT,
     class_id INTEGER NOT NULL REFERENCES classes(id), image BLOB NOT NULL, received REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine (seq INTEGER PRIMARY KEY, error TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS corrections (id INTEGER PRIMARY KEY AUTOINCREMENT, seq INTEGER NOT NULL,
+    old_class INTEGER NOT NULL, new_class INTEGER, at REAL NOT NULL, image BLOB);
 """
+# what training reads: neither quarantined nor forgotten
+TRAINABLE = "seq NOT IN (SELECT seq FROM quarantine) AND deleted IS NULL"
 
 
 class IngestLog:
@@ -69,6 +102,8 @@ class IngestLog:
             if "sample_id" not in schema["samples"].columns_dict:  # databases of earlier versions
                 schema["samples"].add_column("sample_id", str)
             schema["samples"].create_index(["sample_id"], unique=True, if_not_exists=True)
+            if "deleted" not in schema["samples"].columns_dict:
+                schema["samples"].add_column("deleted", float)  # when one sample was forgotten on request
             if "forgotten" not in schema["classes"].columns_dict:
                 schema["classes"].add_column("forgotten", float)  # when a class was forgotten on request
             # a forgotten label may come back as a new class: only live labels are unique
@@ -132,16 +167,16 @@ class IngestLog:
     def after(self, seq: int, limit: int) -> list[LogEntry]:
         """Up to `limit` samples with sequence number > seq, in order, without quarantined ones."""
         with self.db.read() as conn:
-            rows = conn.execute("SELECT seq, class_id, image, received FROM samples WHERE seq > ? AND seq NOT IN "
-                                "(SELECT seq FROM quarantine) ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
+            rows = conn.execute(f"SELECT seq, class_id, image, received FROM samples WHERE seq > ? AND {TRAINABLE} "
+                                "ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
         return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in rows]
 
     def recent_pixels(self, upto: int, n: int) -> list[bytes]:
         """The pixels of up to `n` of the latest samples up to `upto` that still have them (retention
         drops old ones), oldest first, without quarantined ones."""
         with self.db.read() as conn:
-            rows = conn.execute("SELECT image FROM samples WHERE seq <= ? AND length(image) > 0 AND seq NOT IN "
-                                "(SELECT seq FROM quarantine) ORDER BY seq DESC LIMIT ?", (upto, n)).fetchall()
+            rows = conn.execute(f"SELECT image FROM samples WHERE seq <= ? AND length(image) > 0 AND {TRAINABLE} "
+                                "ORDER BY seq DESC LIMIT ?", (upto, n)).fetchall()
         return [r["image"] for r in reversed(rows)]
 
     def received(self) -> int:
@@ -153,19 +188,81 @@ class IngestLog:
     def pending(self, trained_upto: int) -> int:
         """Samples after `trained_upto` still to train on (the backlog)."""
         with self.db.read() as conn:
-            return conn.execute("SELECT COUNT(*) FROM samples WHERE seq > ? AND seq NOT IN "
-                                "(SELECT seq FROM quarantine)", (trained_upto,)).fetchone()[0]
+            return conn.execute(f"SELECT COUNT(*) FROM samples WHERE seq > ? AND {TRAINABLE}",
+                                (trained_upto,)).fetchone()[0]
 
     def oldest_pending(self, trained_upto: int) -> float | None:
         """When the oldest sample after `trained_upto` arrived (None: nothing is waiting)."""
         with self.db.read() as conn:
-            return conn.execute("SELECT MIN(received) FROM samples WHERE seq > ? AND seq NOT IN "
-                                "(SELECT seq FROM quarantine)", (trained_upto,)).fetchone()[0]
+            return conn.execute(f"SELECT MIN(received) FROM samples WHERE seq > ? AND {TRAINABLE}",
+                                (trained_upto,)).fetchone()[0]
 
     def lag_seconds(self, trained_upto: int) -> float:
         """The age of the oldest sample after `trained_upto` (0: nothing is waiting)."""
         oldest = self.oldest_pending(trained_upto)
         return 0.0 if oldest is None else max(0.0, time.time() - oldest)
+
+    # --- one sample: read, relabel, forget --------------------------------------------------
+    def sample(self, seq: int) -> SampleRecord:
+        """The sample with this sequence number; NotFound if the log holds none (never sent, or removed by
+        retention after its id horizon)."""
+        with self.db.read() as conn:
+            r = conn.execute("SELECT s.seq, s.class_id, s.image, s.received, s.sample_id, s.deleted, c.name, "
+                             "c.forgotten, q.seq IS NOT NULL AS quarantined FROM samples s JOIN classes c ON "
+                             "c.id = s.class_id LEFT JOIN quarantine q ON q.seq = s.seq WHERE s.seq = ?",
+                             (seq,)).fetchone()
+        if r is None:
+            raise NotFound(f"no sample {seq}")
+        return SampleRecord(r["seq"], r["class_id"], r["name"] if r["forgotten"] is None else None, r["received"],
+                            r["sample_id"], r["image"] or None, bool(r["quarantined"]), r["deleted"])
+
+    def relabel(self, seq: int, label: str, max_classes: int) -> LabelChange | None:
+        """Give a sample another label (a new one makes a class), recorded as a correction in the same
+        transaction. The label it has: a confirmation, recorded once (None after). NotFound for a sample absent or
+        forgotten."""
+        with self.db.write() as conn:
+            old = _live_sample(conn, seq)
+            new = _class_ids(conn, [label], max_classes)[label]
+            if new == old and conn.execute("SELECT 1 FROM corrections WHERE seq = ? AND new_class = old_class",
+                                           (seq,)).fetchone() is not None:
+                return None
+            conn.execute("UPDATE samples SET class_id = ? WHERE seq = ?", (new, seq))
+            return _record_change(conn, seq, old, new)
+
+    def forget_sample(self, seq: int) -> LabelChange | None:
+        """Forget one sample: its pixels leave the log, training never reads it again and its id keeps answering a
+        retry as a duplicate; recorded as a correction. None if it was forgotten already; NotFound for a sample
+        absent or of a forgotten class."""
+        with self.db.write() as conn:
+            row = conn.execute("SELECT deleted FROM samples WHERE seq = ?", (seq,)).fetchone()
+            if row is not None and row["deleted"] is not None:
+                return None  # forgotten already: asked again, the same answer
+            old = _live_sample(conn, seq)
+            change = _record_change(conn, seq, old, None)
+            # the pixels wait in the correction until a checkpoint holds it (`settle_corrections`)
+            conn.execute("UPDATE corrections SET image = (SELECT image FROM samples WHERE seq = ?) WHERE id = ?",
+                         (seq, change.id))
+            conn.execute("UPDATE samples SET image = X'', deleted = ? WHERE seq = ?", (change.at, seq))
+            conn.execute("DELETE FROM quarantine WHERE seq = ?", (seq,))
+            return change
+
+    def corrections_after(self, change_id: int) -> list[LabelChange]:
+        """The corrections recorded after `change_id`, in order."""
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT id, seq, old_class, new_class, at FROM corrections WHERE id > ? ORDER BY id",
+                                (change_id,)).fetchall()
+        return [LabelChange(r["id"], r["seq"], r["old_class"], r["new_class"], r["at"]) for r in rows]
+
+    def forgotten_pixels(self, change_id: int) -> bytes | None:
+        """A forgotten sample's pixels, while no checkpoint holds its correction yet (None after)."""
+        with self.db.read() as conn:
+            row = conn.execute("SELECT image FROM corrections WHERE id = ?", (change_id,)).fetchone()
+        return row["image"] if row is not None and row["image"] else None
+
+    def settle_corrections(self, upto: int) -> None:
+        """A checkpoint holds the corrections up to `upto`: the pixels of the samples they forgot go."""
+        with self.db.write() as conn:
+            conn.execute("UPDATE corrections SET image = NULL WHERE id <= ? AND image IS NOT NULL", (upto,))
 
     def quarantine(self, seq: int, error: str) -> None:
         """Set a sample aside for good: training on it fails every time."""
@@ -180,13 +277,31 @@ class IngestLog:
             return n, [dict(r) for r in rows]
 
 
+def _live_sample(conn: sqlite3.Connection, seq: int) -> int:
+    """The class id of a sample neither forgotten nor of a forgotten class; NotFound otherwise."""
+    row = conn.execute("SELECT s.class_id FROM samples s JOIN classes c ON c.id = s.class_id WHERE s.seq = ? AND "
+                       "s.deleted IS NULL AND c.forgotten IS NULL", (seq,)).fetchone()
+    if row is None:
+        raise NotFound(f"no sample {seq}")
+    return row["class_id"]
+
+
+def _record_change(conn: sqlite3.Connection, seq: int, old: int, new: int | None) -> LabelChange:
+    at = time.time()
+    change_id = conn.execute("INSERT INTO corrections (seq, old_class, new_class, at) VALUES (?, ?, ?, ?)",
+                             (seq, old, new, at)).lastrowid
+    return LabelChange(change_id, seq, old, new, at)
+
+
 def _already_stored(conn: sqlite3.Connection, s: NewSample) -> Stored | None:
     row = conn.execute("SELECT s.seq, c.name, s.image FROM samples s JOIN classes c ON c.id = s.class_id "
                        "WHERE s.sample_id = ?", (s.sample_id,)).fetchone()
     if row is None:
         return None
-    # retention may have dropped the pixels of a trained sample (service.storage.retention): the label decides
-    _same_or_conflict(NewSample(row["name"], row["image"] or s.pixels, s.sample_id), s)
+    corrected = conn.execute("SELECT 1 FROM corrections WHERE seq = ?", (row["seq"],)).fetchone() is not None
+    if not corrected:  # a label corrected since (or the sample forgotten) is newer than any retry of its ingest
+        # retention may have dropped the pixels of a trained sample (service.storage.retention): the label decides
+        _same_or_conflict(NewSample(row["name"], row["image"] or s.pixels, s.sample_id), s)
     return Stored(row["seq"], duplicate=True)
 
 

@@ -16,7 +16,7 @@ from service.learning.runtime import Runtime
 from service.metrics import Metrics
 from service.settings import Settings
 from service.web.guard import WebPageGuard, allowed_hosts
-from service.web.routers import dashboard, ingest, memory, operations, predict, snapshots
+from service.web.routers import dashboard, ingest, memory, operations, predict, samples, snapshots
 from service.web.routers.auth import Access
 from service.web.routers.bodies import BodyModels
 from service.web.routers.errors import BodyLimit, install_error_handlers
@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(predict.router(settings, access, models))
     app.include_router(snapshots.router(settings, access))
     app.include_router(memory.router(settings, access))
+    app.include_router(samples.router(settings, access, models))
     app.include_router(operations.router(access))
     app.include_router(dashboard.router())
     app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")

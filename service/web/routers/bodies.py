@@ -102,10 +102,15 @@ class BodyModels:
             image: image
             k: Integer = Field(None, ge=1, description="how many labels (capped at the service's limit)")
 
+        class Relabel(BaseModel):
+            model_config = STRICT
+            label: label
+
         self.labels = TypeAdapter(list[label], config=STRICT_TYPES)
         self.ids = TypeAdapter(list[sample_id], config=STRICT_TYPES)
         self.Sample, self.SampleBatch = Sample, SampleBatch
         self.PredictImages, self.PredictImage = PredictImages, PredictImage
+        self.Relabel = Relabel
         self.max_samples, self.max_predict = n, settings.max_predict_images
         self.settings = settings
 
@@ -126,6 +131,10 @@ class BodyModels:
         images = parsed.images if model is self.PredictImages else [parsed.image]
         return [decode_base64(t, f"image {i}") for i, t in enumerate(images)], parsed.k
 
+    def relabel(self, body: bytes) -> str:
+        """{"label": ...} -> the label, validated as at ingest."""
+        return validate(self.Relabel, parse_json(body)).label
+
     def check_count(self, data, key: str, limit: int) -> None:
         """Too many samples (or images) is one rule with one answer in every form: 413 too_many_samples."""
         items = data.get(key) if isinstance(data, dict) else None
@@ -137,7 +146,7 @@ class BodyModels:
     def components(self) -> dict:
         """JSON schemas of the models, for #/components/schemas."""
         out = {}
-        for model in (self.Sample, self.SampleBatch, self.PredictImages, self.PredictImage):
+        for model in (self.Sample, self.SampleBatch, self.PredictImages, self.PredictImage, self.Relabel):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             out.update(schema.pop("$defs", {}))
             out[model.__name__] = schema
@@ -174,6 +183,9 @@ class BodyModels:
         return {"requestBody": {"required": True, "description": "one JSON sample (or batch) per line; each line is "
                                 "validated alone (x-line-schema) and answered by its own acknowledgement",
                                 "content": {t: {"schema": {"x-line-schema": line}} for t in NDJSON_TYPES}}}
+
+    def relabel_body(self) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref("Relabel")}}}}
 
     def predict_body(self) -> dict:
         return {"requestBody": {"required": True, "content": {

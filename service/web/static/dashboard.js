@@ -222,6 +222,47 @@ async function memoryBrowser(force = false) {
   box.dataset.count = slots.length;
 }
 
+// --- reviewing suspects: on request (valuing the memory costs the learner a pause), never on the timer
+async function suspects() {
+  const box = $("suspects");
+  box.textContent = "valuing the memory…";
+  try {
+    const answer = await getJSON("suspects?limit=12");
+    const figures = await Promise.all(answer.suspects.map(async (s) =>
+      `<figure data-seq="${s.seq ?? ""}" data-label="${esc(s.label)}" data-answer="${esc(s.answer)}">` +
+      `<img alt="${esc(s.label)}" src="${await imageURL(`memory/${s.slot}`)}"><figcaption>` +
+      `sent as <b>${esc(s.label)}</b><br>the model says ${esc(s.answer)} (${(100 * s.probability).toFixed(0)} %)` +
+      `<br>value ${s.value.toFixed(4)}</figcaption>` + (s.seq === null ? "" :
+        (s.answer !== s.label ? `<button data-act="relabel">relabel as ${esc(s.answer)}</button>` : "") +
+        `<button data-act="confirm">label is right</button><button data-act="forget">forget</button>`) +
+      "</figure>"));
+    box.innerHTML = figures.join("") || "<p>No suspects: the memory is empty.</p>";
+    box.dataset.count = answer.suspects.length;
+  } catch (error) {
+    box.innerHTML = `<p class="error">${esc(error instanceof Unauthorized ? "the read token is needed" : error.message)}</p>`;
+  }
+}
+
+async function review(event) {
+  const button = event.target.closest("button[data-act]");
+  if (!button) return;
+  const figure = button.closest("figure"), act = button.dataset.act;
+  const label = act === "relabel" ? figure.dataset.answer : figure.dataset.label;
+  const options = act === "forget" ? { method: "DELETE" } : { method: "PATCH",
+    headers: { "Content-Type": "application/json" }, body: JSON.stringify({ label }) };
+  const note = document.createElement("p");
+  try {
+    const answer = await (await call(`samples/${figure.dataset.seq}`, options)).json();
+    note.textContent = act === "forget" ? "forgotten" : act === "confirm" ? "confirmed" : `now ${answer.label}`;
+    figure.dataset.done = act;
+    figure.querySelectorAll("button").forEach((b) => { b.disabled = true; });
+  } catch (error) {
+    note.className = "error";
+    note.textContent = error instanceof Unauthorized ? "an admin token is needed" : error.message;
+  }
+  figure.append(note);
+}
+
 async function snapshots() {
   const { snapshots } = await getJSON("snapshots");
   $("snapshots").querySelector("tbody").innerHTML = snapshots.slice(0, 10).map((s) =>
@@ -306,6 +347,8 @@ $("login").addEventListener("submit", (event) => {
   refresh();
 });
 $("memory-class").addEventListener("change", () => memoryBrowser(true));
+$("find-suspects").addEventListener("click", suspects);
+$("suspects").addEventListener("click", review);
 $("snapshots").addEventListener("click", download);
 $("predict-file").addEventListener("change", (e) => e.target.files[0] && predictFile(e.target.files[0]));
 const drop = $("drop");
