@@ -14,9 +14,14 @@ measure what correcting them gives back.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from learner.memory.shapley import incoming_values
+
 SUSPECTS_SCORED = 100  # the goal reads precision among the 100 most suspected
+CHUNK = 500  # stream samples valued together: one memory x (chunk + memory) valuation amortised over them
 
 
 class LabelNoise:
@@ -56,8 +61,6 @@ class LabelNoise:
     def detection(self, learner) -> dict:
         """Precision and recall of the memory's most suspected samples, how noisy the memory is, and the CPU the
         valuation took."""
-        import time
-
         record = {"rate": self.rate, "flipped": len(self.flipped), "sent": self.sent}
         if getattr(learner, "buffer", None) is None or len(learner.buffer) == 0:
             return record
@@ -75,12 +78,52 @@ class LabelNoise:
                 "recall_below_zero": round(float(wrong[below].sum()) / max(int(wrong.sum()), 1), 4),
                 "suspects_cpu_seconds": round(cpu, 3)}
 
-    def correct_found(self, learner) -> int:
+    def correct_found(self, learner) -> list[int]:
         """Relabel the flipped samples among the SUSPECTS_SCORED most suspected, as a user shown them would; returns
-        how many."""
+        their keys."""
         slots, _ = learner.suspects(SUSPECTS_SCORED)
         found = [k for k in learner.buffer.keys[slots.cpu()].tolist() if k in self.flipped]
         for key in found:
             given, true = self.flipped[key]
             learner.correct_sample(key, given, true)
-        return len(found)
+        return found
+
+    def stream_suspects(self, learner, stream, done: set[int]) -> dict:
+        """Every sample the stream sent (`stream`: its batches again, (stored form, true labels), in order), valued
+        for the whole memory as it ended (`shapley.incoming_values`): precision and recall of those below zero, and
+        the flipped ones among them relabelled, as a user reviewing them would (those in `done` were already)."""
+        cpu0 = time.process_time()  # the valuation and the corrections together
+        memory = learner.frozen_features(learner.buffer.images[:len(learner.buffer)]).float().cpu()
+        held = learner.buffer.labels[:len(learner.buffer)].cpu()
+        k = getattr(learner.update_policy, "k", 3)
+        position, suspected, hits, found = 0, 0, 0, []
+        for x, y in _chunks(stream):
+            keys = range(position, position + len(y))
+            given = torch.tensor([self.flipped[key][0] if key in self.flipped else int(c) for key, c in zip(keys, y)])
+            features = learner.frozen_features(x.to(learner.device)).float().cpu()
+            below = incoming_values(memory, held, features, given, k) < 0
+            suspected += int(below.sum())
+            for i in torch.nonzero(below).flatten().tolist():
+                key = position + i
+                hits += key in self.flipped
+                if key in self.flipped and key not in done:
+                    learner.correct_sample(key, self.flipped[key][0], self.flipped[key][1], x[i:i + 1])
+                    found.append(key)
+            position += len(y)
+        return {"stream_valuation_cpu_seconds": round(time.process_time() - cpu0, 2), "stream_suspected": suspected,
+                "stream_precision": round(hits / max(suspected, 1), 4),
+                "stream_recall": round(hits / max(len(self.flipped), 1), 4), "stream_relabelled": len(found)}
+
+
+def _chunks(stream):
+    """The stream's batches joined into CHUNK-sized ones."""
+    xs, ys, n = [], [], 0
+    for x, y in stream:
+        xs.append(x)
+        ys.append(y)
+        n += len(y)
+        if n >= CHUNK:
+            yield torch.cat(xs), torch.cat(ys)
+            xs, ys, n = [], [], 0
+    if xs:
+        yield torch.cat(xs), torch.cat(ys)
