@@ -105,3 +105,14 @@ def test_the_keys_survive_a_restore(noisy, eurosat_latents):
     again = learner_for(eurosat_latents[1])
     again.load_state_dict(learner.state_dict())
     assert torch.equal(again.buffer.keys[:len(again.buffer)], learner.buffer.keys[:len(learner.buffer)])
+
+
+def test_the_suspect_rule_flags_wrong_labels_far_more_often_than_right_ones(noisy, eurosat_latents):
+    learner, _, _ = noisy
+    data, _ = eurosat_latents
+    test = torch.isin(data.test_y, torch.tensor(CLASSES))
+    x, y = data.test_x[test], data.test_y[test]
+    frozen = learner.frozen_features(x).float()
+    right = learner.incoming_suspects(frozen, y).float().mean()
+    wrong = learner.incoming_suspects(frozen, (y + 1) % len(CLASSES)).float().mean()
+    assert wrong > 0.45 and right < 0.15 and wrong > 5 * right  # measured: 0.62 and 0.04
