@@ -116,3 +116,24 @@ def test_the_suspect_rule_flags_wrong_labels_far_more_often_than_right_ones(nois
     right = learner.incoming_suspects(frozen, y).float().mean()
     wrong = learner.incoming_suspects(frozen, (y + 1) % len(CLASSES)).float().mean()
     assert wrong > 0.45 and right < 0.15 and wrong > 5 * right  # measured: 0.62 and 0.04
+
+
+def test_a_sample_the_rule_kept_out_comes_in_when_relabelled(eurosat_latents):
+    """The suspect rule keeps a sample out of streaming LDA and remembers its key: relabelled, it joins its new class
+    (nothing is taken from the old one, which never had it); forgotten, nothing moves."""
+    data, backbone = eurosat_latents
+    learner = make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
+                           lr=0.01, train_every=10**6, frozen_values=True, suspect_rule=True)
+    samples = {}
+    for x, y, true, keys in stream(data, 0.2):
+        learner.observe(x, y, keys=keys)
+        samples.update({int(k): (x[i:i + 1], int(y[i]), int(true[i])) for i, k in enumerate(keys)})
+    assert learner.kept_out and learner.suspects_kept_out == len(learner.kept_out)
+    flipped_out = [k for k in sorted(learner.kept_out) if samples[k][1] != samples[k][2]]
+    key = next(k for k in flipped_out if learner.buffer.slot_of(k) is None)
+    x, given, true = samples[key]
+    counts = learner.stream_head.counts.clone()
+    assert learner.correct_sample(key, given, true, backbone.encode(x)).stream_head
+    moved = learner.stream_head.counts - counts
+    assert moved[true] == 1 and moved.abs().sum() == 1 and key not in learner.kept_out
+    learner.solved_head()  # the statistics still solve

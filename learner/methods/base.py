@@ -131,6 +131,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         # step awake, else in the top's
         self.frozen_values = frozen_values
         self.suspect_rule, self.suspects_kept_out = suspect_rule, 0  # `SampleCorrections.incoming_suspects`
+        self.kept_out: set[int] = set()  # keys of the samples the rule kept out of the streaming head
         self._suspect_draws = torch.Generator().manual_seed(7919)  # apart from the training's: runs stay paired
         self.confirmed: set[int] = set()  # keys of samples a person said are labelled right: never suspects
         self._own_held = HeldBack() if calibrate and (self.head_choice is None or self.head_choice.held is None) \
@@ -181,7 +182,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             if not labels.numel():  # all held back: nothing trains, the call still counts
                 self.steps += 1
                 return {}
-        self._update_stream_head(frozen, labels)
+        self._update_stream_head(frozen, labels, keys)
         self._keep_for_sleep(images, labels)
         with record_admitted(getattr(self, "buffer", None), pixels, images, keys), self._incoming(images, frozen):
             if not trains:
@@ -291,13 +292,17 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         size = self.backbone.input_size
         self.encode_incoming(torch.zeros(1, 3, size, size, dtype=torch.uint8, device=self.device))
 
-    def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor) -> None:
-        """Every sample the learner sees, trained on or passed through, reaches the streaming head."""
+    def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor,
+                            keys: torch.Tensor | None = None) -> None:
+        """Every sample the learner sees, trained on or passed through, reaches the streaming head (but those the
+        suspect rule keeps out, whose keys it remembers: a correction puts them in)."""
         if self.stream_head is None:
             return
         if self.suspect_rule:
             keep = ~self.incoming_suspects(frozen, labels).to(labels.device)
             self.suspects_kept_out += int((~keep).sum())
+            if keys is not None:
+                self.kept_out.update(keys[~keep.cpu()].tolist())
             frozen, labels = frozen[keep], labels[keep]
             if not labels.numel():
                 return
@@ -330,7 +335,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         pixels = images.to(self.device)
         (images, frozen), labels = self.encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        self._update_stream_head(frozen, labels)
+        self._update_stream_head(frozen, labels, keys)
         self._keep_for_sleep(images, labels)
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
@@ -499,6 +504,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             **{name: getattr(self, name) for name in COUNTERS},
             "forgotten": sorted(self.forgotten),
             **({"confirmed": sorted(self.confirmed)} if self.confirmed else {}),
+            **({"kept_out": sorted(self.kept_out)} if self.kept_out else {}),
             "backbone": self.backbone.identity(),
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             **({"stream_head": self.stream_head.state_dict()} if self.stream_head is not None else {}),
@@ -531,6 +537,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             setattr(self, name, state.get(name, 0))
         self.forgotten = set(state.get("forgotten", ()))
         self.confirmed = set(state.get("confirmed", ()))
+        self.kept_out = set(state.get("kept_out", ()))
         if self.ema is not None:  # a state saved without an average starts it from the weights
             self.ema.load_state_dict(state.get("ema"), self.model)
         if self.stream_head is not None and "stream_head" in state:

@@ -78,7 +78,10 @@ class SampleCorrections:
             return Correction(held_back=True)
         if self.stream_head is not None:
             features = self.frozen_features(stored.to(self.device)).float()
-            self.stream_head.remove(features, torch.tensor([old_class]))
+            if key in self.kept_out:  # the suspect rule kept it out: relabelled, it comes in
+                self.kept_out.discard(key)
+            else:
+                self.stream_head.remove(features, torch.tensor([old_class]))
             if new_class is not None:
                 self.stream_head.update(features, torch.tensor([new_class]))
             self._solved = None
