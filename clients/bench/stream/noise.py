@@ -21,7 +21,6 @@ import torch
 from learner.memory.shapley import incoming_values
 
 SUSPECTS_SCORED = 100  # the goal reads precision among the 100 most suspected
-CHUNK = 500  # stream samples valued together: one memory x (chunk + memory) valuation amortised over them
 
 
 class LabelNoise:
@@ -97,7 +96,7 @@ class LabelNoise:
         held = learner.buffer.labels[:len(learner.buffer)].cpu()
         k = getattr(learner.update_policy, "k", 3)
         position, suspected, hits, found = 0, 0, 0, []
-        for x, y in _chunks(stream):
+        for x, y in stream:  # a batch at a time, as it arrived: its samples are candidates beside each other
             keys = range(position, position + len(y))
             given = torch.tensor([self.flipped[key][0] if key in self.flipped else int(c) for key, c in zip(keys, y)])
             features = learner.frozen_features(x.to(learner.device)).float().cpu()
@@ -114,16 +113,3 @@ class LabelNoise:
                 "stream_precision": round(hits / max(suspected, 1), 4),
                 "stream_recall": round(hits / max(len(self.flipped), 1), 4), "stream_relabelled": len(found)}
 
-
-def _chunks(stream):
-    """The stream's batches joined into CHUNK-sized ones."""
-    xs, ys, n = [], [], 0
-    for x, y in stream:
-        xs.append(x)
-        ys.append(y)
-        n += len(y)
-        if n >= CHUNK:
-            yield torch.cat(xs), torch.cat(ys)
-            xs, ys, n = [], [], 0
-    if xs:
-        yield torch.cat(xs), torch.cat(ys)
