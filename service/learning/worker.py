@@ -307,7 +307,7 @@ class LearnerWorker:
         ASER_SLEEP_MIN_NEW samples are new (or a sleep that yielded owes the rest). It yields to the next sample
         acknowledged, a forgetting or a stop, between two of its steps. Returns whether it trained."""
         sleeper = self.learner.sleeper
-        if sleeper is None or self.forgetting.waiting:
+        if sleeper is None or self.requests_waiting:
             return False
         s, asked = self.loop, self._sleep_asked.is_set()
         idle = time.monotonic() - self._busy_at >= s.sleep_idle_s
@@ -333,14 +333,19 @@ class LearnerWorker:
             self.schedule.export(self.learner, self.predictor, "sleep")
         return True
 
+    @property
+    def requests_waiting(self) -> bool:
+        """A forgetting or a correction waits: idle work and sleep give way to it."""
+        return self.forgetting.waiting or self.corrections.waiting
+
     def _sleep_yields(self) -> bool:
-        return self._stop.is_set() or self.forgetting.waiting or bool(self.store.after(self.trained_upto, 1))
+        return self._stop.is_set() or self.requests_waiting or bool(self.store.after(self.trained_upto, 1))
 
     def rehearse_if_idle(self) -> bool:
         """While no batch is due: a replay-only step, within its share of the worker's time.
         Returns whether it rehearsed (or is pausing to keep to its share)."""
         s = self.loop
-        if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self.forgetting.waiting:
+        if not s.idle_rehearsal or len(self.memory.class_ids) == 0 or self.requests_waiting:
             return False
         lr = self.learner
         if s.idle_rehearsal_per_step and lr.rehearsal_steps >= s.idle_rehearsal_per_step * lr.steps:
