@@ -46,8 +46,13 @@ class ForgottenClass(BaseModel):
 def png(view: MemoryView, slot: int) -> bytes:
     if slot >= len(view.class_ids):
         raise NotFound(f"no sample in memory slot {slot} (the memory holds {len(view.class_ids)})")
+    return png_of(view.images[slot])
+
+
+def png_of(pixels) -> bytes:
+    """uint8 [3, H, W] pixels as PNG bytes."""
     out = io.BytesIO()
-    Image.fromarray(view.images[slot].permute(1, 2, 0).numpy(), "RGB").save(out, format="PNG")
+    Image.fromarray(pixels.permute(1, 2, 0).numpy(), "RGB").save(out, format="PNG")
     return out.getvalue()
 
 

@@ -5,10 +5,8 @@ mislabelled. Corrections are the worker's (`service.learning.corrections`): the 
 from __future__ import annotations
 
 import asyncio
-import io
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -19,6 +17,7 @@ from service.storage.store import images_from_blobs
 from service.web.routers.auth import Access
 from service.web.routers.bodies import BodyModels
 from service.web.routers.errors import error_responses
+from service.web.routers.memory import png_of
 
 # digits only in the route itself (`:int`), so that /samples/stream is never taken for a sample
 SEQ = Path(..., ge=1, le=2**63 - 1, description="the sample's sequence number, as its ingest acknowledged it")
@@ -90,10 +89,8 @@ def router(settings: Settings, access: Access, models: BodyModels) -> APIRouter:
         record = await run_in_threadpool(worker.store.sample, seq)
         if record.pixels is None:
             raise NotFound(f"sample {seq}'s pixels are no longer kept")
-        pixels = images_from_blobs([record.pixels], worker.image_shape)[0]
-        out = io.BytesIO()
-        Image.fromarray(pixels.permute(1, 2, 0).numpy(), "RGB").save(out, format="PNG")
-        return Response(out.getvalue(), media_type="image/png", headers={"Cache-Control": "no-cache"})
+        data = png_of(images_from_blobs([record.pixels], worker.image_shape)[0])
+        return Response(data, media_type="image/png", headers={"Cache-Control": "no-cache"})
 
     @api.patch("/samples/{seq:int}", response_model=SampleCorrection, dependencies=[access.require("admin")],
                openapi_extra=models.relabel_body(), responses=error_responses(400, 401, 403, 404, 409, 422, 503, 507))
