@@ -387,7 +387,8 @@ def correction_note(answer: dict) -> str:
     if not answer["learned"]:
         return ", before the model learned it"
     where = [w for w, key in (("its memory slot", "in_memory"), ("the held-back samples", "held_back"),
-                              ("streaming LDA", "stream_head")) if answer[key]]
+                              ("streaming LDA", "stream_head"), ("the sleep's store", "sleep_store"))
+             if answer.get(key)]
     return f"; corrected in {', '.join(where)}" if where else "; the model had nothing of it to correct"
 
 

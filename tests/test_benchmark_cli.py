@@ -7,6 +7,7 @@ import torch
 
 from clients.bench.benchmark import build_parser, main
 from clients.bench.cost.speed import _learner_step
+from clients.bench.results import run_label
 from clients.bench.stream.resume import run_identity
 from learner.methods.registry import PAPER_SETTINGS
 
@@ -63,6 +64,36 @@ def test_rehearsals_take_replay_only_steps_after_each_batch_and_name_the_run(tmp
     for misuse in (("iid-offline", "--rehearsals", "1"), ("er", "--rehearsals", "1", "--stream-rate", "2x")):
         assert run(tmp_path, cache_dir, misuse[0], tmp_path / "x.json", *misuse[1:]) == 2
         assert "--rehearsals is for in-process streams" in capsys.readouterr().err
+
+
+def test_a_noisy_stream_scores_the_suspects_against_its_flips_and_pairs_flip_each_class_one_way(tmp_path, cache_dir,
+                                                                                                  cifar10_slice):
+    """`--label-noise` on the default's learner (ASER's memory, streaming LDA on Lite0's features, 64 px here); the
+    pair mode flips each class into the seen class nearest it, so a run's flips are one way a class."""
+    from clients.bench.stream.noise import LabelNoise, nearest_classes
+    from learner import make_learner
+    from learner.networks.backbone import make_backbone
+
+    results = {}
+    for mode in ("symmetric", "pair"):
+        out = tmp_path / f"{mode}.json"
+        assert run(tmp_path, cache_dir, "cb-sv-duel", out, "--seed", "0", "--backbone", "lite0", "--input-size", "64",
+                   "--serving-head", "slda", "--lr", "0.01", "--label-noise", "0.3", "--label-noise-mode", mode) == 0
+        results[mode] = json.loads(out.read_text())
+    for mode, r in results.items():
+        noise = r["label_noise"]
+        assert noise["mode"] == mode and noise["sent"] == 200 and 30 < noise["flipped"] < 90  # a 30% share of 200
+        assert 0 <= noise["precision_at_100"] <= 1 and noise["memory"] == 30 and "final_accuracy_corrected" in noise
+    assert "noise 0.3 pair" in run_label(results["pair"]) and "pair" not in run_label(results["symmetric"])
+
+    learner = make_learner("slda", 10, backbone=make_backbone("lite0", cifar10_slice.image_shape, 64))
+    nearest = nearest_classes(learner, cifar10_slice)
+    assert sorted(nearest) == list(range(10)) and all(sorted(v + [c]) == list(range(10)) for c, v in nearest.items())
+    pairs = LabelNoise(1.0, 0, nearest)
+    pairs.begin([0, 1, 2, 3])
+    given, _ = pairs.flip(torch.arange(4).repeat(5))
+    for c in range(4):  # each class into its nearest seen class, always the same one
+        assert set(given[torch.arange(4).repeat(5) == c].tolist()) == {[n for n in nearest[c] if n < 4][0]}
 
 
 def test_speed_times_the_cases_asked_for_round_by_round(tmp_path, capsys):

@@ -93,6 +93,38 @@ def test_a_relabel_leaves_the_statistics_as_if_the_label_had_come_right(eurosat_
     assert slot is None or int(relabelled.buffer.labels[slot]) == right
 
 
+def test_the_sleep_store_rehearses_a_corrected_sample_under_its_new_label_or_not_at_all(eurosat_latents):
+    """Every sample the learner trained on sits in the sleep's latent store under its key: a relabel reaches it even
+    when neither the memory nor the caller has the sample any more, a forgotten one leaves it, and a round trip of
+    the store keeps the keys."""
+    from learner.methods.sleep import SleepConfig
+
+    data, backbone = eurosat_latents
+    learner = make_learner("cb-sv-duel", len(CLASSES), mem_size=50, backbone=backbone, serving_head="slda", seed=0,
+                           lr=0.01, train_every=0, sleep=SleepConfig(store_capacity=10_000))
+    given = {}
+    for x, y, _, keys in stream(data, 0.2):
+        learner.observe(x, y, keys=keys)
+        given.update(zip(keys.tolist(), y.tolist()))
+    store = learner.sleeper.store
+    assert sorted(store.keys[:len(store)].tolist()) == sorted(given)  # every sample, each once
+    outside = [k for k in given if learner.buffer.slot_of(k) is None]
+    relabelled, forgotten = outside[:2]
+    new = (given[relabelled] + 1) % len(CLASSES)
+    assert learner.correct_sample(relabelled, given[relabelled], new).in_sleep_store  # no pixels given
+    assert learner.correct_sample(forgotten, given[forgotten], None).in_sleep_store
+    slot_of = {k: i for i, k in enumerate(store.keys[:len(store)].tolist())}
+    assert int(store.labels[slot_of[relabelled]]) == new and forgotten not in slot_of
+    expected = {**given, relabelled: new}
+    del expected[forgotten]
+    assert dict(zip(store.keys[:len(store)].tolist(), store.labels[:len(store)].tolist())) == expected
+    again = make_learner("cb-sv-duel", len(CLASSES), mem_size=50, backbone=backbone, serving_head="slda", seed=0,
+                         lr=0.01, train_every=0, sleep=SleepConfig(store_capacity=10_000))
+    again.load_state_dict(learner.state_dict())
+    assert torch.equal(again.sleeper.store.keys[:len(store)], store.keys[:len(store)])
+    assert not again.correct_sample(forgotten, given[forgotten], None).in_sleep_store  # gone: nothing to do
+
+
 def test_a_sample_found_nowhere_changes_nothing(noisy):
     learner, _, _ = noisy
     before = learner.stream_head.state_dict()

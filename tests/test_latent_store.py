@@ -56,6 +56,38 @@ def test_on_disk_it_survives_a_restart_goes_back_to_a_checkpoint_and_empties_for
     assert len(other) == 0 and other.arrived == 0
 
 
+def test_a_corrected_sample_is_relabelled_or_dropped_on_disk_as_in_memory_and_stays_so_after_a_restart(tmp_path):
+    path = tmp_path / "l.db"
+    memory, disk = LatentStore(100, SHAPE), DiskLatentStore(path, 100, SHAPE, False, IDENTITY)
+    for store in (memory, disk):
+        store.add(latents(6, 0), torch.tensor([0, 0, 1, 1, 2, 2]), keys=torch.arange(100, 106))
+        assert store.correct(101, 2) and store.correct(104, None) and not store.correct(999, 1)
+        assert dict(zip(store.keys[:len(store)].tolist(), store.labels[:len(store)].tolist())) == {
+            100: 0, 101: 2, 102: 1, 103: 1, 105: 2}
+    assert torch.equal(disk.read(torch.arange(5))[0], memory.read(torch.arange(5))[0])  # the same latents stayed
+    saved = disk.state_dict()
+    disk.close()
+    again = DiskLatentStore(path, 100, SHAPE, False, IDENTITY)
+    again.load_state_dict(saved)
+    assert again.class_counts() == {0: 1, 1: 2, 2: 2} and 104 not in again.keys.tolist()
+    assert again.correct(101, 2)  # applied again after a restart: the same end
+    assert again.class_counts() == {0: 1, 1: 2, 2: 2}
+    again.close()
+
+
+def test_a_store_written_before_the_keys_opens_and_its_samples_have_none(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "l.db"
+    DiskLatentStore(path, 100, SHAPE, False, IDENTITY).add(latents(2, 0), torch.tensor([0, 1]))
+    with sqlite3.connect(path) as conn:  # the file as it was before the column
+        conn.execute("ALTER TABLE latents DROP COLUMN sample_key")
+    old = DiskLatentStore(path, 100, SHAPE, False, IDENTITY)
+    assert len(old) == 2 and old.keys[:2].tolist() == [-1, -1] and not old.correct(0, 1)
+    old.add(latents(1, 1), torch.tensor([1]), keys=torch.tensor([7]))
+    assert old.correct(7, 0) and old.class_counts() == {0: 2, 1: 1}
+
+
 def test_the_size_bound_is_in_megabytes_of_what_a_sample_takes():
     # cut 11 at 160 px: 112x10x10 codes, a fp16 scale for each of 112 channels, a label and an arrival
     assert store_capacity(512, (112, 10, 10), False) == 512 * 2**20 // (11200 + 224 + 16)

@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--label-noise", type=float, default=0.0, metavar="P",
                      help="a share P of the stream's labels flipped to another class seen so far (the test set stays "
                           "clean); the result scores the memory's suspects against the flips (stream/noise.py)")
+    run.add_argument("--label-noise-mode", choices=("symmetric", "pair"), default="symmetric",
+                     help="with --label-noise: flips to any other class seen (symmetric), or each class always to the "
+                          "seen class nearest it in the frozen network's features (pair: a person's confusion)")
     run.add_argument("--suspect-rule", action="store_true",
                      help="keep an incoming sample whose ASER value to the memory is below zero out of the streaming "
                           "head (learner.methods.corrections)")

@@ -67,6 +67,8 @@ def run_label(result: dict) -> str:
     'er (ace, 3 rehearsals a batch)'
     >>> run_label({"method": "er", "settings": {}, "label_noise": {"rate": 0.2}})
     'er (noise 0.2)'
+    >>> run_label({"method": "er", "settings": {}, "label_noise": {"rate": 0.2, "mode": "pair"}})
+    'er (noise 0.2 pair)'
     >>> run_label({"method": "cb-sv-duel", "settings": {"loss": "ace", "feature_max_age": 0}})
     'cb-sv-duel (ace, age 0)'
     >>> run_label({"method": "er", "settings": {}, "realtime": {"stream_rate_arg": "2x", "max_lag_s": 60.0,
@@ -105,7 +107,7 @@ def run_label(result: dict) -> str:
     if settings.get("feature_max_age", 100) != 100:  # fresh or staler features never pool with the default bound
         modes.append(f"age {settings['feature_max_age']}")
     if noise := result.get("label_noise"):  # a noisy stream never pools with the clean one
-        modes.append(f"noise {noise['rate']:g}")
+        modes.append(f"noise {noise['rate']:g}" + (" pair" if noise.get("mode") == "pair" else ""))
     if settings.get("train_per_class"):  # a reduced stream never pools with full-length runs
         modes.append(f"{settings['train_per_class']}/class")
     if backbone := settings.get("backbone"):  # the pretrained backbone: its input size, cut and latent bits

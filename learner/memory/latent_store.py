@@ -6,8 +6,8 @@ device has seen, as REMIND and SIESTA do from compressed mid-network features. A
 cut 11 and 128 px against 14,336 in fp16; a pooled 8-bit latent is kept as it is. Once `capacity` is reached
 a new sample evicts a random member of the largest class (its own class's, when that is among the largest), so the
 store stays class-balanced and an old class keeps its share. Each slot records when it arrived, so a sleep can find
-what is new. The codes live in tensors here; a store that keeps them elsewhere (the service's, on disk) overrides
-`_put` and `_get`.
+what is new, and the caller's id of its sample, so that a label found wrong is corrected here too (`correct`). The
+codes live in tensors here; a store that keeps them elsewhere (the service's, on disk) overrides `_put` and `_get`.
 
 >>> import torch
 >>> store = LatentStore(capacity=4, shape=(2, 1, 1), seed=0)
@@ -20,6 +20,9 @@ what is new. The codes live in tensors here; a store that keeps them elsewhere (
 >>> latents, labels = store.read((store.labels == 0).nonzero()[:1, 0])
 >>> latents.flatten().tolist(), labels.tolist()
 ([127.0, -254.0], [0])
+>>> store.add(torch.ones(1, 2, 1, 1), torch.tensor([1]), keys=torch.tensor([41]))
+>>> store.correct(41, None), store.class_counts()  # forgotten: its slot is free
+(True, {0: 2, 1: 1})
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class LatentStore:
         self._allocate()
         self.labels = torch.full((capacity,), -1, dtype=torch.long)
         self.arrival = torch.zeros(capacity, dtype=torch.long)  # the sample's rank in the stream, from 1
+        self.keys = torch.full((capacity,), -1, dtype=torch.long)  # the caller's id of the sample (-1: none given)
         self.size = 0
         self.arrived = 0  # samples ever added
         self.generator = torch.Generator().manual_seed(seed)
@@ -80,8 +84,9 @@ class LatentStore:
     def bytes_per_sample(self) -> int:
         return sample_bytes(self.shape, self.eight_bit_input)
 
-    def add(self, latents: torch.Tensor, labels: torch.Tensor) -> None:
+    def add(self, latents: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         codes, scales = compress(latents.detach().cpu())
+        keys = torch.full((len(labels),), -1, dtype=torch.long) if keys is None else keys.cpu().long()
         written: dict[int, int] = {}  # slot -> the sample it holds now (a later one of the batch may evict it)
         evicted = []  # the arrivals of the samples that gave up their slots
         for i, label in enumerate(labels.cpu().tolist()):
@@ -90,7 +95,7 @@ class LatentStore:
                 evicted.append(int(self.arrival[slot]))
             self.size = max(self.size, slot + 1)
             self.arrived += 1
-            self.labels[slot], self.arrival[slot] = label, self.arrived
+            self.labels[slot], self.arrival[slot], self.keys[slot] = label, self.arrived, keys[i]
             written[slot] = i
         if written:
             rows = torch.tensor(list(written.values()))
@@ -145,23 +150,38 @@ class LatentStore:
         return self.arrival[:self.size] > mark
 
     def forget_class(self, class_id: int) -> int:
-        keep = self.labels[:self.size] != class_id
-        removed = self.size - int(keep.sum())
+        return self._drop(self.labels[:self.size] == class_id)
+
+    def correct(self, key: int, new_class: int | None) -> bool:
+        """Relabel as `new_class` (None: drop) the sample the caller called `key`; whether the store held it."""
+        found = self.keys[:self.size] == key
+        if not bool(found.any()):
+            return False
+        if new_class is None:
+            self._drop(found)
+        else:
+            self.labels[:self.size][found] = new_class
+        return True
+
+    def _drop(self, gone: torch.Tensor) -> int:
+        """Free the slots of a mask, the others kept in order at the front; how many were freed."""
+        removed = int(gone.sum())
         if removed:
-            order = torch.cat([keep.nonzero().flatten(), (~keep).nonzero().flatten()])
-            for name in ("codes", "scales", "labels", "arrival"):
+            order = torch.cat([(~gone).nonzero().flatten(), gone.nonzero().flatten()])
+            for name in ("codes", "scales", "labels", "arrival", "keys"):
                 tensor = getattr(self, name)
                 if tensor is not None:
                     tensor[:self.size] = tensor[:self.size][order]
             self.size -= removed
             self.labels[self.size:] = -1
+            self.keys[self.size:] = -1
         return removed
 
     def state_dict(self) -> dict:
         n = self.size
         return {"capacity": self.capacity, "shape": list(self.shape), "size": n, "arrived": self.arrived,
                 "codes": self.codes[:n].clone(), "scales": None if self.scales is None else self.scales[:n].clone(),
-                "labels": self.labels[:n].clone(), "arrival": self.arrival[:n].clone(),
+                "labels": self.labels[:n].clone(), "arrival": self.arrival[:n].clone(), "keys": self.keys[:n].clone(),
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -171,6 +191,9 @@ class LatentStore:
         self.size, self.arrived = n, state["arrived"]
         self.codes[:n], self.labels[:n] = state["codes"][:n], state["labels"][:n]
         self.arrival[:n] = state["arrival"][:n]
+        self.keys.fill_(-1)
+        if "keys" in state:  # a checkpoint from before the store kept ids: its samples cannot be corrected here
+            self.keys[:n] = state["keys"][:n]
         if self.scales is not None:
             self.scales[:n] = state["scales"][:n]
         self.generator.set_state(state["generator"])

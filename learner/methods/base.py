@@ -183,7 +183,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                 self.steps += 1
                 return {}
         self._update_stream_head(frozen, labels, keys)
-        self._keep_for_sleep(images, labels)
+        self._keep_for_sleep(images, labels, keys)
         with record_admitted(getattr(self, "buffer", None), pixels, images, keys), self._incoming(images, frozen):
             if not trains:
                 self._pass_through(images, labels, lean)
@@ -308,9 +308,9 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                 return
         self.stream_head.update(frozen, labels)
 
-    def _keep_for_sleep(self, stored: torch.Tensor, labels: torch.Tensor) -> None:
+    def _keep_for_sleep(self, stored: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         if self.sleeper is not None:
-            self.sleeper.store.add(stored, labels)
+            self.sleeper.store.add(stored, labels, keys)
 
     def sleep(self, budget: int | None = None, should_yield=None):
         """Train the top over what the device holds (`learner.methods.sleep`): `budget` sample-updates (by default
@@ -336,7 +336,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         (images, frozen), labels = self.encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
         self._update_stream_head(frozen, labels, keys)
-        self._keep_for_sleep(images, labels)
+        self._keep_for_sleep(images, labels, keys)
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
             part = None if keys is None else keys[i:i + step]

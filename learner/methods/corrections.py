@@ -1,8 +1,9 @@
 """Correcting one sample the learner has already learned from: a label found wrong (relabelled) or a sample to
 forget. Its effect leaves every part that keeps one: the streaming head's statistics exactly (its features leave the
 old class's sums and count and, relabelled, join the new class's; a forgotten sample's x x^T leaves the shared
-scatter too), its memory slot (relabelled, or dropped), and the held-back samples (which never trained: moved or
-dropped there alone). What gradient steps did to the trained top cannot be taken back exactly: the next steps
+scatter too), its memory slot (relabelled, or dropped), the sleep's latent store (found by its key: the next sleep
+rehearses it under its new label, or not at all), and the held-back samples (which never trained: moved or dropped
+there alone). What gradient steps did to the trained top cannot be taken back exactly: the next steps
 and sleeps train it on the corrected memory. `ContinualLearner` inherits it.
 
 With `suspect_rule`, an incoming sample whose value to the memory (`shapley.incoming_values`) is below zero, its
@@ -29,10 +30,11 @@ class Correction:
     in_memory: bool = False
     held_back: bool = False
     stream_head: bool = False
+    in_sleep_store: bool = False
 
     @property
     def found(self) -> bool:
-        return self.in_memory or self.held_back or self.stream_head
+        return self.in_memory or self.held_back or self.stream_head or self.in_sleep_store
 
 
 class SampleCorrections:
@@ -64,12 +66,14 @@ class SampleCorrections:
         if new_class == old_class:
             self.confirmed.add(key)
             return Correction()
+        sleeper = getattr(self, "sleeper", None)
+        in_store = sleeper is not None and sleeper.store.correct(key, new_class)  # first: a full disk changes nothing
         buffer = getattr(self, "buffer", None)
         slot = buffer.slot_of(key) if buffer is not None else None
         if slot is not None:
             stored = buffer.images[slot:slot + 1]
         if stored is None:
-            return Correction()
+            return Correction(in_sleep_store=in_store)
         if new_class is not None:
             self.ensure_classes(new_class + 1)
         held = self.held_back
@@ -91,4 +95,5 @@ class SampleCorrections:
             else:
                 buffer.labels[slot] = new_class
         self.version += 1
-        return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None)
+        return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None,
+                          in_sleep_store=in_store)

@@ -40,6 +40,8 @@ class DiskLatentStore(LatentStore):
                 schema["latents"].create({"arrival": int, "class_id": int, "codes": bytes, "scales": bytes},
                                          pk="arrival", not_null={"class_id", "codes"})
                 schema["meta"].create({"key": str, "value": str}, pk="key")
+            if "sample_key" not in schema["latents"].columns_dict:  # a store from before it kept the samples' ids
+                schema["latents"].add_column("sample_key", int)
         super().__init__(capacity, shape, eight_bit_input, seed)
         self.write_failures = 0  # steps whose rows a full disk refused
         self._claim(json.dumps({**identity, "shape": list(shape)}, sort_keys=True))
@@ -63,33 +65,34 @@ class DiskLatentStore(LatentStore):
 
     def _load_index(self) -> None:
         with self.db.read() as conn:
-            rows = conn.execute("SELECT arrival, class_id FROM latents ORDER BY arrival").fetchall()
+            rows = conn.execute("SELECT arrival, class_id, sample_key FROM latents ORDER BY arrival").fetchall()
             arrived = conn.execute("SELECT value FROM meta WHERE key = 'arrived'").fetchone()
         rows = rows[-self.capacity:]
         self.size = len(rows)
         self.labels.fill_(-1)
+        self.keys.fill_(-1)
         self.arrival.zero_()
         if rows:
             self.arrival[:self.size] = torch.tensor([r["arrival"] for r in rows])
             self.labels[:self.size] = torch.tensor([r["class_id"] for r in rows])
+            self.keys[:self.size] = torch.tensor([-1 if r["sample_key"] is None else r["sample_key"] for r in rows])
         newest = int(self.arrival[:self.size].max()) if self.size else 0
         self.arrived = max(int(arrived["value"]) if arrived else 0, newest)
 
     def _put(self, slots, codes, scales, evicted) -> None:
         arrivals = self.arrival[torch.tensor(slots)].tolist()
         scale_bytes = [None if scales is None else scales[i].numpy().tobytes() for i in range(len(slots))]
-        rows = [(a, int(self.labels[s]), codes[i].numpy().tobytes(), scale_bytes[i])
+        rows = [(a, int(self.labels[s]), codes[i].numpy().tobytes(), scale_bytes[i], int(self.keys[s]))
                 for i, (s, a) in enumerate(zip(slots, arrivals))]
         try:
             with self.db.write() as conn:
                 conn.executemany("DELETE FROM latents WHERE arrival = ?", [(a,) for a in evicted])
-                conn.executemany("INSERT OR REPLACE INTO latents VALUES (?, ?, ?, ?)", rows)
+                conn.executemany("INSERT OR REPLACE INTO latents (arrival, class_id, codes, scales, sample_key) "
+                                 "VALUES (?, ?, ?, ?, ?)", rows)
                 conn.execute("INSERT OR REPLACE INTO meta VALUES ('arrived', ?)", (str(self.arrived),))
         except StorageFull:  # the rows of this step are lost, the step is not: the index follows the file
             self.write_failures += 1
-            arrived = self.arrived
-            self._load_index()
-            self.arrived = arrived
+            self._reload()
 
     def _get(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         arrivals = self.arrival[slots].tolist()
@@ -117,10 +120,25 @@ class DiskLatentStore(LatentStore):
     def forget_class(self, class_id: int) -> int:
         with self.db.write() as conn:
             removed = conn.execute("DELETE FROM latents WHERE class_id = ?", (class_id,)).rowcount
+        self._reload()
+        return removed
+
+    def correct(self, key: int, new_class: int | None) -> bool:
+        """As the store in memory does, on the file at once: a restart from an older checkpoint keeps the correction
+        (and the service applies it again, to the same end)."""
+        with self.db.write() as conn:
+            if new_class is None:
+                changed = conn.execute("DELETE FROM latents WHERE sample_key = ?", (key,)).rowcount
+            else:
+                changed = conn.execute("UPDATE latents SET class_id = ? WHERE sample_key = ?",
+                                       (new_class, key)).rowcount
+        self._reload()
+        return changed > 0
+
+    def _reload(self) -> None:
         arrived = self.arrived
         self._load_index()
         self.arrived = arrived
-        return removed
 
     def state_dict(self) -> dict:
         return {"on_disk": True, "arrived": self.arrived, "generator": self.generator.get_state()}

@@ -1,5 +1,7 @@
 """Noisy labels in the benchmark's stream (`run --label-noise P`): a share P of the stream's samples, drawn
-independently, arrive labelled as another class seen so far (symmetric flips; the test set stays clean). Every sample
+independently, arrive labelled as another class seen so far (symmetric flips; the test set stays clean), or with
+`--label-noise-mode pair` as the seen class that looks most like theirs (the nearest class mean in the frozen
+network's features: the confusion a person in the field makes, each class always into the same one). Every sample
 goes to the learner with its stream position as its key (`observe(keys=...)`), so that at the end the memory's
 suspects (`ReplayLearner.suspects`: ASER's KNN-SV of each remembered sample to the others) are scored against the
 flips exactly, and the flipped samples found are corrected (`correct_sample`, as `PATCH /samples/{seq}` does) to
@@ -10,6 +12,13 @@ measure what correcting them gives back.
 >>> y, keys = noise.flip(torch.zeros(8, dtype=torch.long))
 >>> int((y != 0).sum()) == len(noise.flipped), keys.tolist()
 (True, [0, 1, 2, 3, 4, 5, 6, 7])
+>>> pairs = LabelNoise(1.0, seed=0, nearest={0: [2, 1], 1: [0, 2], 2: [0, 1]})
+>>> pairs.begin([0, 1])
+>>> pairs.flip(torch.tensor([0, 1]))[0].tolist()  # class 2, nearest to 0, has not come yet
+[1, 0]
+>>> pairs.begin([2])
+>>> pairs.flip(torch.tensor([0, 1, 2]))[0].tolist()
+[2, 0, 0]
 """
 
 from __future__ import annotations
@@ -21,11 +30,26 @@ import torch
 from learner.memory.shapley import incoming_values
 
 SUSPECTS_SCORED = 100  # the goal reads precision among the 100 most suspected
+MODES = ("symmetric", "pair")
+
+
+def nearest_classes(learner, data, per_class: int = 100) -> dict[int, list[int]]:
+    """Each class's others, nearest first: by the distance between the class means of the frozen network's features
+    over the first `per_class` training samples (of the pixels themselves for a network trained from scratch)."""
+    means = {}
+    for c in data.train_y.unique().tolist():
+        x = data.train_x[data.train_y == c][:per_class].to(learner.device)
+        features = learner.backbone.encode_with_features(x)[1]
+        means[c] = (x.flatten(1) if features is None else features).float().mean(0).cpu()
+    classes = sorted(means)
+    distance = torch.cdist(torch.stack([means[c] for c in classes]), torch.stack([means[c] for c in classes]))
+    return {c: [classes[j] for j in distance[i].argsort().tolist() if j != i] for i, c in enumerate(classes)}
 
 
 class LabelNoise:
-    def __init__(self, rate: float, seed: int):
+    def __init__(self, rate: float, seed: int, nearest: dict[int, list[int]] | None = None):
         self.rate = rate
+        self.nearest = nearest  # pair mode: each class's others, nearest first (None: symmetric flips)
         self.generator = torch.Generator().manual_seed(10_007 + seed)  # apart from the stream's order
         self.flipped: dict[int, tuple[int, int]] = {}  # stream position -> (label given, true label)
         self.sent = 0
@@ -43,6 +67,8 @@ class LabelNoise:
         keys = torch.arange(self.sent, self.sent + labels.numel())
         for i, y in enumerate(labels.tolist()):
             others = [c for c in self.seen if c != y]
+            if self.nearest is not None:
+                others = [c for c in self.nearest[y] if c in others][:1]
             if others and draws[i] < self.rate:
                 given[i] = others[int(picks[i]) % len(others)]
                 self.flipped[int(keys[i])] = (int(given[i]), y)
@@ -60,7 +86,8 @@ class LabelNoise:
     def detection(self, learner) -> dict:
         """Precision and recall of the memory's most suspected samples, how noisy the memory is, and the CPU the
         valuation took."""
-        record = {"rate": self.rate, "flipped": len(self.flipped), "sent": self.sent}
+        record = {"rate": self.rate, "mode": MODES[self.nearest is not None], "flipped": len(self.flipped),
+                  "sent": self.sent}
         if getattr(learner, "buffer", None) is None or len(learner.buffer) == 0:
             return record
         cpu0 = time.process_time()

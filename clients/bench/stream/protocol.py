@@ -16,7 +16,7 @@ import torch
 
 from clients.bench.machine import machine_description, resolve_device
 from clients.bench.results import matrix_summary
-from clients.bench.stream.noise import LabelNoise
+from clients.bench.stream.noise import LabelNoise, nearest_classes
 from clients.bench.stream.realtime import Stream, cost_model, simulate
 from clients.bench.stream.resume import load_run_state, run_identity, save_run_state
 from learner import make_learner
@@ -102,7 +102,10 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     tasks = data.tasks(args.tasks)
     stream_gen = torch.Generator().manual_seed(seed)
     passes, evaluate_each = stream_passes(args, data, tasks)
-    noise = LabelNoise(args.label_noise, seed) if getattr(args, "label_noise", 0) else None
+    noise = None
+    if getattr(args, "label_noise", 0):
+        pairs = getattr(args, "label_noise_mode", "symmetric") == "pair"
+        noise = LabelNoise(args.label_noise, seed, nearest_classes(learner, data) if pairs else None)
     run = {"done": 0, "matrix": [], "ncm_matrix": [], "trained_matrix": [], "replay_share": [], "train_seconds": 0.0,
            "resumed_at": [], "machines": []}
     identity = run_identity(args, data, seed)

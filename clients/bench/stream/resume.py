@@ -29,7 +29,8 @@ IDENTITY_KEYS = ("method", "dataset", "mem_size", "k", "n_candidates", "lr", "ba
                  "bf16_latent", "compile", "train_per_class", "test_per_class")
 # named from the identity's version 2 on: a checkpoint written before (no version) is compared without them
 LATER_OPTIONS = {"optimizer": "sgd", "head_lr": None, "choose_head": False, "head_prior": None, "train_every": 1,
-                 "standardize_features": False, "label_noise": 0.0, "suspect_rule": False}
+                 "standardize_features": False, "label_noise": 0.0, "suspect_rule": False,
+                 "label_noise_mode": "symmetric"}
 IDENTITY_VERSION = 2
 # later options: named only when set, so checkpoints written before they existed still match
 OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_age": 100, "distill": 0.0,

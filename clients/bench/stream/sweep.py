@@ -168,6 +168,8 @@ class RunSpec:
             parts.append("cal")
         if extra.get("label_noise"):
             parts.append(f"noise{extra['label_noise']}")
+        if extra.get("label_noise_mode", "symmetric") != "symmetric":
+            parts.append(extra["label_noise_mode"])
         if extra.get("suspect_rule"):
             parts.append("suspects")
         if extra.get("train_every", 1) != 1:

@@ -41,6 +41,7 @@ class SampleCorrection(BaseModel):
     in_memory: bool = Field(description="its memory slot was relabelled, or dropped")
     held_back: bool = Field(description="it was a held-back sample (never trained): moved or dropped there")
     stream_head: bool = Field(description="streaming LDA's statistics were corrected exactly")
+    sleep_store: bool = Field(description="the sleep's latent store held it: relabelled there, or dropped")
     model_version: int
 
 
@@ -127,4 +128,4 @@ def answer(corrected, worker) -> dict:
     return {"seq": corrected.seq, "label": corrected.label, "previous_label": corrected.previous,
             "learned": corrected.learned, "in_memory": corrected.model.in_memory,
             "held_back": corrected.model.held_back, "stream_head": corrected.model.stream_head,
-            "model_version": worker.predictor.version}
+            "sleep_store": corrected.model.in_sleep_store, "model_version": worker.predictor.version}
