@@ -93,3 +93,21 @@ def test_with_nothing_held_back_the_prior_keeps_the_first_answers_humble(encoded
     assert calibration.temperature == pytest.approx(PRIOR_TEMPERATURE, rel=0.05)
     probabilities = torch.softmax(learner.logits(data.test_x[data.test_y < 3]), 1)
     assert float(probabilities.max()) < 1.0
+
+
+def test_a_new_class_restarts_the_floor_so_that_no_answer_is_sure_while_it_is_young(encoded, learned):
+    """Laplace's rule counted from the newest class's first sample: the stream has just shown that its world is not
+    closed, so ten tiles into a new class no answer passes 1 - 1/12 of the spread, however sure the old classes are."""
+    import copy
+
+    data = encoded[0]
+    learner = copy.deepcopy(learned)
+    assert learner.calibration().floor < 0.005  # 240 samples since class 5 came
+    learner.observe(data.train_x[data.train_y == 6][:10], torch.full((10,), 6))
+    calibration = learner.calibration()
+    assert calibration.floor == pytest.approx(1 / (10 + 2))
+    probabilities = torch.softmax(learner.logits(data.test_x[data.test_y < 7]), 1)
+    assert float(probabilities.max()) <= 1 - calibration.floor * 6 / 7 + 1e-5 < 0.93
+    again = copy.deepcopy(learned)
+    again.load_state_dict(learner.state_dict())  # the count goes on from the state
+    assert again.calibration().floor == pytest.approx(calibration.floor)

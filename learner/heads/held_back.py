@@ -18,6 +18,8 @@ prior) takes a measured class unless the samples show it worse: a move to it nee
 >>> labels = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1])
 >>> held.hold_back(labels).tolist()  # class 0's 2nd and 4th (it then holds 2), class 1's 2nd
 [False, True, False, True, False, False, False, True]
+>>> held.offered, held.offered_since_newest  # class 1 came with the 7th
+(8, 2)
 """
 
 from __future__ import annotations
@@ -40,16 +42,28 @@ class HeldBack:
                  min_held: int = MIN_HELD):
         self.hold_from, self.every, self.per_class, self.min_held = hold_from, every, per_class, min_held
         self.seen: dict[int, int] = {}  # samples of each class offered so far
+        self.newest_at = 0  # the samples offered before the newest class's first
         self.samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # class -> [(stored, frozen)]
 
     def hold_back(self, labels: torch.Tensor) -> torch.Tensor:
         """Which of an incoming batch's samples to hold back (a mask); counts them as offered."""
         held = torch.zeros(len(labels), dtype=torch.bool)
         for i, label in enumerate(labels.tolist()):
+            if label not in self.seen:
+                self.newest_at = self.offered
             n = self.seen[label] = self.seen.get(label, 0) + 1
             kept = len(self.samples.get(label, ())) + int(held[:i][labels[:i] == label].sum())
             held[i] = n >= self.hold_from and (n - self.hold_from) % self.every == 0 and kept < self.per_class
         return held
+
+    @property
+    def offered(self) -> int:
+        return sum(self.seen.values())
+
+    @property
+    def offered_since_newest(self) -> int:
+        """Samples offered since the newest class's first (itself included)."""
+        return self.offered - self.newest_at
 
     def brings_new_class(self, labels: torch.Tensor) -> bool:
         """Whether a batch holds a class never offered before (one that arrives young)."""
@@ -91,10 +105,11 @@ class HeldBack:
         self.seen.pop(class_id, None)
 
     def state_dict(self) -> dict:
-        return {"seen": dict(self.seen), "samples": {c: [(s, f) for s, f in held] for c, held in self.samples.items()}}
+        return {"seen": dict(self.seen), "newest_at": self.newest_at, "samples": {c: [(s, f) for s, f in held] for c, held in self.samples.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = {int(c): n for c, n in state["seen"].items()}
+        self.newest_at = state.get("newest_at", 0)  # a state from before it was kept: counted from the first sample
         self.samples = {int(c): [(s, f) for s, f in held] for c, held in state["samples"].items()}
 
 

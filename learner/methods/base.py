@@ -257,13 +257,13 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         # the trained top's answers move every step: measured with the choice, or every CALIBRATE_EVERY steps
         top = (None if self.streams else self._held_measured_at if self.head_choice is not None
                else self.steps // CALIBRATE_EVERY)
-        offered = sum(self.held_back.seen.values())
-        # fitted again as the samples offered grow by a fifth (the floor's scale), not at every batch
+        offered = self.held_back.offered
+        # fitted again as the samples offered grow by a fifth, not at every batch
         key = (len(self.held_back), len(self.held_back.seen), int(4 * math.log2(offered + 2)), top, self.num_classes,
                len(self.forgotten))
         if self._calibration is None or self._calibration[0] is not solved or self._calibration[1] != key:
             self._calibration = (solved, key, self._fit_calibration())
-        return replace(self._calibration[2], floor=1 / (offered + 2))
+        return replace(self._calibration[2], floor=1 / (self.held_back.offered_since_newest + 2))
 
     def _fit_calibration(self) -> Calibration:
         held = self.held_back
@@ -277,7 +277,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             logits = self.served_logits(stored.to(self.device), frozen).cpu()
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
-        return Calibration.fit(logits, labels, sum(held.seen.values()), live, frozen, means, self.false_alarm)
+        return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm)
 
     @property
     def held_measure_due(self) -> bool:
