@@ -105,7 +105,8 @@ class HeldBack:
         self.seen.pop(class_id, None)
 
     def state_dict(self) -> dict:
-        return {"seen": dict(self.seen), "newest_at": self.newest_at, "samples": {c: [(s, f) for s, f in held] for c, held in self.samples.items()}}
+        return {"seen": dict(self.seen), "newest_at": self.newest_at,
+                "samples": {c: [(s, f) for s, f in held] for c, held in self.samples.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = {int(c): n for c, n in state["seen"].items()}
