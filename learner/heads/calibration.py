@@ -6,10 +6,12 @@ the default was wrong 2,000 times in 10,000, 498 of them at more than 0.99. A `C
 samples (`learner.heads.held_back`: a few of each class kept out of every head's training, so their answers are
 what a new photo gets) divides the served logits by one temperature (Guo et al. 2017), the log-likelihood's best on
 them under a log-normal prior around PRIOR_TEMPERATURE worth PRIOR_WEIGHT samples, so that a handful of samples all
-answered right cannot drive the temperature to zero. Then a floor: after n samples, 1 / (n + 2) of the probability
-is spread evenly over the classes offered (Laplace's rule of succession), so that in the first minutes (a class of
-12 photos, none held back yet) no answer claims certainty; a thousand samples in, it is 0.1%. Neither moves a
-top-1 answer.
+answered right cannot drive the temperature to zero. Then a floor: n samples after the newest class's first,
+1 / (n + 2) of the probability is spread evenly over the classes offered (Laplace's rule of succession, counted again
+from each new class: the stream has just shown that its world is not closed), so that in the first minutes (a class
+of 12 photos, none held back yet) and ten photos into each new class no answer claims certainty (on Split EuroSAT and
+Split CIFAR-10, ten images into each class, the rule counted over every sample left 7.5 and 12 wrong answers above
+0.99 a task, this one none); a thousand samples after, it is 0.1%. Neither moves a top-1 answer.
 
 "None of these" scores how unlike every learned class an image is: its distance to the nearest class mean of the
 frozen features (1 - cosine similarity to the unit-norm means of streaming LDA's classes), standardised by its mean
@@ -76,8 +78,8 @@ def unit_means(sums: torch.Tensor, counts: torch.Tensor, num_classes: int) -> to
 class Calibration:
     temperature: float = PRIOR_TEMPERATURE
     # the share of probability spread evenly over the `live` classes (those offered, not forgotten): 1 / (n + 2)
-    # after n samples (Laplace's rule of succession), so that no answer claims more certainty than the samples
-    # seen can give; negligible once thousands are in
+    # n samples after the newest class's first (Laplace's rule of succession), so that no answer claims more
+    # certainty than the samples seen can give; negligible once thousands are in
     floor: float = 0.5
     live: torch.Tensor | None = None  # bool [classes]: the classes the floor spreads over (None: every one)
     means: torch.Tensor | None = None  # unit-norm class means of the frozen features [classes, d] (`unit_means`)
@@ -121,7 +123,7 @@ class Calibration:
             frozen: torch.Tensor | None = None, means: torch.Tensor | None = None,
             false_alarm: float = FALSE_ALARM) -> "Calibration":
         """Fitted on held-back samples (their served logits and labels, their frozen features, and the class means:
-        both or neither), after `offered` samples of the `live` classes."""
+        both or neither), `offered` samples after the newest of the `live` classes arrived."""
         fitted = cls(fit_temperature(logits, labels), 1 / (offered + 2), live, means, false_alarm=false_alarm,
                      held=len(labels))
         if len(labels) < MIN_FOR_THRESHOLD:

@@ -58,7 +58,8 @@ class OnlineFigures(BaseModel):
 class Calibrated(BaseModel):
     temperature: float = Field(description="the served logits are divided by it (fitted on the held-back samples)")
     floor: float = Field(description="the share of probability spread evenly over the classes offered: 1 / (n + 2) "
-                         "after n samples, so that no answer claims more certainty than they can give")
+                         "n samples after the newest class's first, so that no answer claims more certainty than "
+                         "they can give")
     held_back: int = Field(description="samples held back from training it was fitted on (none: the prior's)")
     false_alarm: float = Field(description="the share of known classes' photos \"none of these\" is set to flag "
                                "(ASER_UNKNOWN_FALSE_ALARM)")
