@@ -222,9 +222,11 @@ class ServiceClient:
         """One sample by its sequence number: label, state, whether its pixels are kept and the memory holds it."""
         return self._json("GET", f"/samples/{int(seq)}")
 
-    def suspects(self, limit: int = 20) -> list[dict]:
-        """The memory's samples most likely mislabelled, most suspected first."""
-        return self._json("GET", "/suspects", params={"limit": limit})["suspects"]
+    def suspects(self, limit: int = 20, recent: int = 0) -> list[dict]:
+        """The memory's samples most likely mislabelled, most suspected first; with `recent`, those among the latest
+        `recent` learned samples (valued on request: a frozen pass each)."""
+        params = {"limit": limit, **({"recent": recent} if recent else {})}
+        return self._json("GET", "/suspects", params=params, timeout=180)["suspects"]
 
     def relabel(self, seq: int, label: str) -> dict:
         """Give a sample its right label (admin); the same label again changes nothing (safe to retry)."""

@@ -9,7 +9,7 @@
     aser status [--watch]
     aser sleep                              # with ASER_SLEEP: train the top now
     aser forget LABEL --yes
-    aser suspects [--limit 20] [--json]     # the samples most likely mislabelled (ASER's values)
+    aser suspects [--limit 20] [--recent N] [--json]  # the samples most likely mislabelled (ASER's values)
     aser relabel SEQ LABEL                  # a sample's right label
     aser forget-sample SEQ --yes
 
@@ -356,7 +356,7 @@ def cmd_forget(args, client) -> int:
 
 
 def cmd_suspects(args, client) -> int:
-    rows = client.suspects(args.limit)
+    rows = client.suspects(args.limit, args.recent)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -453,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("sleep", help="with ASER_SLEEP: train the top over what the device holds, now")
     su = command("suspects", help="the remembered samples most likely mislabelled, by ASER's values")
     su.add_argument("--limit", type=int, default=20)
+    su.add_argument("--recent", type=int, default=0, metavar="N",
+                    help="among the latest N learned samples (their pixels kept), not the memory's")
     su.add_argument("--json", action="store_true")
     r = command("relabel", help="give a sample (its sequence number) its right label")
     r.add_argument("seq", type=int)

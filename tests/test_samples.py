@@ -76,6 +76,23 @@ def test_the_suspects_come_with_their_label_the_answer_and_their_value(server, s
     assert httpx.get(server.url + "/suspects", params={"limit": 0}).status_code == 422
 
 
+def test_the_latest_samples_are_valued_too_those_the_memory_never_kept_among_them(server, stream):
+    answer = httpx.get(server.url + "/suspects", params={"limit": 90, "recent": 90}, timeout=180).json()
+    suspects = answer["suspects"]
+    given = {seq: g for seq, g, *_ in stream}
+    assert sorted(s["seq"] for s in suspects) == sorted(given)  # every learned sample, each once
+    assert [s["value"] for s in suspects] == sorted(s["value"] for s in suspects)
+    assert all(s["label"] == given[s["seq"]] for s in suspects)
+    outside = [s for s in suspects if s["slot"] is None]
+    assert len(outside) >= 30  # a memory of 60 holds the rest at most
+    wrong = {seq for seq, g, t, *_ in stream if g != t}
+    values = {s["seq"]: s["value"] for s in suspects}
+    flipped = sum(values[s] for s in wrong) / len(wrong)
+    assert flipped < sum(v for s, v in values.items() if s not in wrong) / (len(values) - len(wrong))
+    for bad in ({"recent": -1}, {"recent": 1001}, {"recent": "x"}):
+        assert httpx.get(server.url + "/suspects", params=bad).status_code == 422
+
+
 def test_a_wrong_label_is_corrected_and_a_sample_forgotten_for_good(server, stream):
     wrong = [(seq, g, t, data, sid) for seq, g, t, data, sid in stream if g != t]
     seq, given, true, data, sid = wrong[0]

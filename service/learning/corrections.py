@@ -23,6 +23,8 @@ from service.storage.errors import NotFound, ServiceError
 from service.storage.store import LabelChange, SampleRecord, images_from_blobs, label_of
 
 log = logging.getLogger("aser.worker")
+RECENT_BATCH = 10  # recent samples valued together (candidates beside each other, as an ingest batch's are)
+MAX_RECENT = 1000  # recent samples a request may value: their frozen pass pauses the learner (docs/api.md)
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,10 @@ class CorrectionRequests:
     def forget(self, seq: int) -> Future:
         return self._submit(("forget", seq, None))
 
-    def suspects(self, limit: int) -> Future:
-        """The memory's most suspected samples (`suspect_rows`), valued under the weights of the next pause."""
-        return self._submit(("suspects", limit, None))
+    def suspects(self, limit: int, recent: int = 0) -> Future:
+        """The memory's most suspected samples (`suspect_rows`), or with `recent` those among the latest `recent`
+        learned samples whose pixels are kept (`recent_suspect_rows`), valued under the weights of the next pause."""
+        return self._submit(("suspects", limit, recent))
 
     def _submit(self, request: tuple) -> Future:
         answer: Future = Future()
@@ -67,9 +70,12 @@ class CorrectionRequests:
     def apply_pending(self) -> None:
         """On the worker's thread, between two steps."""
         while not self._pending.empty():
-            (kind, arg, label), answer = self._pending.get()
+            (kind, arg, extra), answer = self._pending.get()
             try:
-                result = self.suspect_rows(arg) if kind == "suspects" else self._correct(arg, label)
+                if kind == "suspects":
+                    result = self.recent_suspect_rows(arg, extra) if extra else self.suspect_rows(arg)
+                else:
+                    result = self._correct(arg, extra)
             except ServiceError as exc:  # no such sample, too many classes, a full disk: nothing changed
                 answer.set_exception(exc)
                 continue
@@ -139,6 +145,35 @@ class CorrectionRequests:
         return [{"seq": key if key >= 0 else None, "slot": int(slot), "label": label_of(classes, given),
                  "answer": label_of(classes, int(a)), "probability": round(float(p), 4), "value": round(float(v), 5)}
                 for slot, key, given, a, p, v in zip(slots.tolist(), keys, labels, answer, confidence, values.tolist())]
+
+
+    def recent_suspect_rows(self, limit: int, recent: int) -> list[dict]:
+        """The latest `recent` learned samples whose pixels the log keeps, valued as `suspect_rows` values the
+        memory's (`values_to_memory`: what each would be worth to the memory now), most suspected first: the wrong
+        labels the memory never kept. Their frozen pass is the cost: a batch of RECENT_BATCH at a time."""
+        lr, w = self.worker.learner, self.worker
+        if getattr(lr, "buffer", None) is None or len(lr.buffer) < 2:
+            return []
+        entries = [e for e in w.store.recent(w.trained_upto, recent) if e.seq not in lr.confirmed]
+        values, answers, confidences = [], [], []
+        for i in range(0, len(entries), RECENT_BATCH):
+            part = entries[i:i + RECENT_BATCH]
+            stored = lr.encode(images_from_blobs([e.image for e in part], w.image_shape).to(lr.device))
+            values.append(lr.values_to_memory(stored, torch.tensor([e.class_id for e in part])))
+            confidence, answer = torch.softmax(lr.logits(stored), 1).max(1)  # calibrated: log-probabilities
+            answers.append(answer.cpu())
+            confidences.append(confidence.cpu())
+        if not entries:
+            return []
+        values, answers, confidences = torch.cat(values), torch.cat(answers), torch.cat(confidences)
+        classes = w.store.classes()
+        rows = []
+        for at in torch.argsort(values, stable=True)[:limit].tolist():
+            e = entries[at]
+            rows.append({"seq": e.seq, "slot": lr.buffer.slot_of(e.seq), "label": label_of(classes, e.class_id),
+                         "answer": label_of(classes, int(answers[at])), "probability": round(float(confidences[at]), 4),
+                         "value": round(float(values[at]), 5)})
+        return rows
 
 
 def sample_state(record: SampleRecord, trained_upto: int) -> str:

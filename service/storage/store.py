@@ -171,13 +171,16 @@ class IngestLog:
                                 "ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
         return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in rows]
 
-    def recent_pixels(self, upto: int, n: int) -> list[bytes]:
-        """The pixels of up to `n` of the latest samples up to `upto` that still have them (retention
-        drops old ones), oldest first, without quarantined ones."""
+    def recent(self, upto: int, n: int) -> list[LogEntry]:
+        """Up to `n` of the latest samples up to `upto` that still have their pixels (retention drops old
+        ones), oldest first, without quarantined or forgotten ones."""
         with self.db.read() as conn:
-            rows = conn.execute(f"SELECT image FROM samples WHERE seq <= ? AND length(image) > 0 AND {TRAINABLE} "
-                                "ORDER BY seq DESC LIMIT ?", (upto, n)).fetchall()
-        return [r["image"] for r in reversed(rows)]
+            rows = conn.execute(f"SELECT seq, class_id, image, received FROM samples WHERE seq <= ? "
+                                f"AND length(image) > 0 AND {TRAINABLE} ORDER BY seq DESC LIMIT ?", (upto, n)).fetchall()
+        return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in reversed(rows)]
+
+    def recent_pixels(self, upto: int, n: int) -> list[bytes]:
+        return [entry.image for entry in self.recent(upto, n)]
 
     def received(self) -> int:
         """Samples acknowledged since the log began: the last sequence number given."""

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from service.learning.corrections import sample_state
+from service.learning.corrections import MAX_RECENT, sample_state
 from service.settings import Settings
 from service.storage.errors import NotFound, Unavailable
 from service.storage.store import images_from_blobs
@@ -47,11 +47,11 @@ class SampleCorrection(BaseModel):
 
 class Suspect(BaseModel):
     seq: int | None = Field(description="the sample's sequence number (None: a slot filled before they were kept)")
-    slot: int
+    slot: int | None = Field(description="its memory slot (None: the memory does not hold it)")
     label: str | None = Field(description="the label it was given")
     answer: str | None = Field(description="what the served model answers for it")
     probability: float
-    value: float = Field(description="its mean KNN Shapley value to the rest of the memory: below zero, its label "
+    value: float = Field(description="its mean KNN Shapley value to the (rest of the) memory: below zero, its label "
                                      "disagrees with its neighbours'")
 
 
@@ -114,11 +114,14 @@ def router(settings: Settings, access: Access, models: BodyModels) -> APIRouter:
 
     @api.get("/suspects", response_model=Suspects, dependencies=[access.require("read")],
              responses=error_responses(401, 403, 422, 503))
-    async def suspects(request: Request, limit: int = Query(20, ge=1, le=1000, description="how many")):
-        """The memory's samples most likely mislabelled, most suspected first: ASER's KNN Shapley value of each to
-        the rest of the memory (below zero, its label disagrees with its neighbours'), with the served answer."""
+    async def suspects(request: Request, limit: int = Query(20, ge=1, le=1000, description="how many"),
+                       recent: int = Query(0, ge=0, le=MAX_RECENT, description=(
+                           "0: the memory's samples; N: the latest N learned samples whose pixels are kept"))):
+        """The samples most likely mislabelled, most suspected first: ASER's KNN Shapley value of each to the
+        memory (below zero, its label disagrees with the remembered samples around it), with the served answer. The
+        memory's own samples by default; with `recent`, the latest learned ones (their frozen pass is the cost)."""
         worker = request.app.state.runtime.worker
-        rows = await worker_answer(request, worker.corrections.suspects(limit))
+        rows = await worker_answer(request, worker.corrections.suspects(limit, recent))
         return {"model_version": worker.predictor.version, "suspects": rows}
 
     return api
