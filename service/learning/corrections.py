@@ -155,6 +155,8 @@ class CorrectionRequests:
         if getattr(lr, "buffer", None) is None or len(lr.buffer) < 2:
             return []
         entries = [e for e in w.store.recent(w.trained_upto, recent) if e.seq not in lr.confirmed]
+        if not entries:
+            return []
         values, answers, confidences = [], [], []
         for i in range(0, len(entries), RECENT_BATCH):
             part = entries[i:i + RECENT_BATCH]
@@ -163,8 +165,6 @@ class CorrectionRequests:
             confidence, answer = torch.softmax(lr.logits(stored), 1).max(1)  # calibrated: log-probabilities
             answers.append(answer.cpu())
             confidences.append(confidence.cpu())
-        if not entries:
-            return []
         values, answers, confidences = torch.cat(values), torch.cat(answers), torch.cat(confidences)
         classes = w.store.classes()
         rows = []

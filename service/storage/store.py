@@ -176,7 +176,8 @@ class IngestLog:
         ones), oldest first, without quarantined or forgotten ones."""
         with self.db.read() as conn:
             rows = conn.execute(f"SELECT seq, class_id, image, received FROM samples WHERE seq <= ? "
-                                f"AND length(image) > 0 AND {TRAINABLE} ORDER BY seq DESC LIMIT ?", (upto, n)).fetchall()
+                                f"AND length(image) > 0 AND {TRAINABLE} ORDER BY seq DESC LIMIT ?",
+                                (upto, n)).fetchall()
         return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in reversed(rows)]
 
     def recent_pixels(self, upto: int, n: int) -> list[bytes]:
