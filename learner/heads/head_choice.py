@@ -189,6 +189,15 @@ class HeadChoice:
         """Each class's head, as an index into CANDIDATES."""
         return torch.tensor([CANDIDATES.index(self.head_of(c)) for c in range(num_classes)], dtype=torch.long)
 
+    def reads_top(self, num_classes: int) -> bool:
+        """Whether the served answer reads the top's probabilities: a class answered by the top or the mix, or by a
+        pool with a weight on the top."""
+        choice = self.choice(num_classes)
+        if bool(torch.isin(choice, torch.tensor([CANDIDATES.index("top"), CANDIDATES.index("mix")])).any()):
+            return True
+        pooled_classes = choice == CANDIDATES.index("pool")
+        return bool((self.pool_of(num_classes)[0][pooled_classes] != 0).any())
+
     def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities: each class's from its head, renormalised."""
         classes = probabilities[STREAMING].shape[1]

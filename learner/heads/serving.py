@@ -128,7 +128,12 @@ class Serving:
     def served_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
         """The served head's logits of stored latents (or images) and their frozen features, before calibration."""
         if self.head_choice is not None:
-            return self.head_choice.compose(self.head_probabilities(stored, frozen)).clamp_min(1e-30).log()
+            if self.head_choice.reads_top(self.num_classes):
+                probabilities = self.head_probabilities(stored, frozen)
+            else:  # no served class reads the top: the same answers without its pass (the held-back fits' cost)
+                slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
+                probabilities = candidates(slda, torch.ones_like(slda), self.head_choice.pool_of(self.num_classes))
+            return self.head_choice.compose(probabilities).clamp_min(1e-30).log()
         if self.streams:
             return self.solved_head().full_logits(frozen.cpu().float(), self.num_classes)
         return self._logits(stored, 512, True)
