@@ -227,3 +227,20 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         assert st["samples_trained"] == 540 and st["backlog"] == 0
     finally:
         server.stop()
+
+
+def test_the_served_answer_on_held_samples_skips_the_tops_pass_only_where_no_class_reads_the_top(eurosat_latents,
+                                                                                               streamed):
+    """Before a sleep no class reads the top (young classes answer by streaming LDA, the pool weighs the top nowhere):
+    the held-back fits compose without its pass, to the same answers; after a sleep they pass through it."""
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=2)
+    stored, frozen, _ = learner.held_back.stacked()
+
+    def full():
+        return learner.head_choice.compose(learner.head_probabilities(stored, frozen)).clamp_min(1e-30).log()
+
+    assert not learner.head_choice.reads_top(learner.num_classes)
+    assert torch.equal(learner.served_logits(stored, frozen), full())
+    assert learner.sleep().kept
+    if learner.head_choice.reads_top(learner.num_classes):  # a class moved onto the top, or the pool weighs it
+        assert torch.allclose(learner.served_logits(stored, frozen), full())

@@ -145,7 +145,6 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
         self._incoming_batch = None  # (stored, frozen) of the batch being learned (`frozen_extract`)
         self._held_measured_at: int | None = None  # the weights version the held-back samples were last measured at
-        self._held_answers = None  # (probabilities, frozen, labels) of the held samples then: what calibration fits on
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
@@ -238,10 +237,8 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             return False
         choice = self.head_choice
         stored, features, labels = choice.held.stacked()
-        probabilities = self.head_probabilities(stored.to(self.device), features)
-        choice.choose_on_held(probabilities, labels)
+        choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), labels)
         self._held_measured_at = self.version
-        self._held_answers = (probabilities, features, labels)
         return True
 
     @property
@@ -262,10 +259,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                else self.steps // CALIBRATE_EVERY)
         offered = self.held_back.offered
         # fitted again as the samples offered grow by a fifth, not at every batch
-        # under a choice, fitted on the answers its measure took (a pass of the top over every held sample is the
-        # cost): samples held since wait for the next measure
-        held = len(self.held_back) if self.head_choice is None or self._held_answers is None else None
-        key = (held, len(self.held_back.seen), int(4 * math.log2(offered + 2)), top, self.num_classes,
+        key = (len(self.held_back), len(self.held_back.seen), int(4 * math.log2(offered + 2)), top, self.num_classes,
                len(self.forgotten))
         if self._calibration is None or self._calibration[0] is not solved or self._calibration[1] != key:
             self._calibration = (solved, key, self._fit_calibration())
@@ -277,12 +271,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             unit_means(self.stream_head.sums, self.stream_head.counts, self.num_classes)
         live = torch.zeros(self.num_classes, dtype=torch.bool)
         live[[c for c in held.seen if c < self.num_classes]] = True  # offered, not forgotten
-        if self.head_choice is not None and self._held_answers is not None:
-            probabilities, frozen, labels = self._held_answers
-            kept = ~torch.isin(labels, torch.tensor(sorted(self.forgotten), dtype=torch.long))
-            logits = self.head_choice.compose(probabilities[kept.to(probabilities.device)]).clamp_min(1e-30).log().cpu()
-            frozen, labels = (frozen[kept] if self.stream_head is not None else None), labels[kept]
-        elif len(held):
+        if len(held):
             stored, frozen, labels = held.stacked()
             frozen = frozen if self.stream_head is not None else None
             logits = self.served_logits(stored.to(self.device), frozen).cpu()

@@ -229,4 +229,3 @@ def _restore_serving(learner, saved: dict) -> None:
         learner.head_choice.load_state_dict(saved["head_choice"])
     learner.rename_weights()
     learner._held_measured_at = learner.version  # the restored choice was measured on these weights
-    learner._held_answers = None  # those answers were the undone weights'
