@@ -83,12 +83,16 @@ class Serving:
             self._solved = (self.stream_head.counts.clone(), self.stream_head.head())
         return self._solved[1]
 
-    def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor) -> dict[str, torch.Tensor]:
+    def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor,
+                           with_top: bool = True) -> dict[str, torch.Tensor]:
         """Each candidate head's probabilities (`learner.heads.head_choice.CANDIDATES`) of stored latents and their
-        frozen features, over class ids 0..num_classes-1, on the CPU."""
+        frozen features, over class ids 0..num_classes-1, on the CPU. `with_top` False: without the top's pass (its
+        probabilities all ones), for a composition that does not read them (`HeadChoice.reads_top`)."""
         slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
-        with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
-            top = torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
+        top = torch.ones_like(slda)
+        if with_top:
+            with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
+                top = torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
         return candidates(slda, top, self.head_choice.pool_of(self.num_classes) if self.head_choice is not None
                           else UNFITTED_POOL)
 
@@ -128,11 +132,8 @@ class Serving:
     def served_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
         """The served head's logits of stored latents (or images) and their frozen features, before calibration."""
         if self.head_choice is not None:
-            if self.head_choice.reads_top(self.num_classes):
-                probabilities = self.head_probabilities(stored, frozen)
-            else:  # no served class reads the top: the same answers without its pass (the held-back fits' cost)
-                slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
-                probabilities = candidates(slda, torch.ones_like(slda), self.head_choice.pool_of(self.num_classes))
+            # no served class reads the top: the same answers without its pass (the held-back fits' cost)
+            probabilities = self.head_probabilities(stored, frozen, self.head_choice.reads_top(self.num_classes))
             return self.head_choice.compose(probabilities).clamp_min(1e-30).log()
         if self.streams:
             return self.solved_head().full_logits(frozen.cpu().float(), self.num_classes)

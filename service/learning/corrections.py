@@ -138,14 +138,9 @@ class CorrectionRequests:
         if getattr(lr, "buffer", None) is None or len(lr.buffer) == 0:
             return []
         slots, values = lr.suspects(limit)
-        probabilities = torch.softmax(lr.logits(lr.buffer.images[slots]), 1).cpu()  # calibrated: log-probabilities
-        confidence, answer = probabilities.max(1)
-        classes = w.store.classes()
         keys, labels = lr.buffer.keys[slots.cpu()].tolist(), lr.buffer.labels[slots].tolist()
-        return [{"seq": key if key >= 0 else None, "slot": int(slot), "label": label_of(classes, given),
-                 "answer": label_of(classes, int(a)), "probability": round(float(p), 4), "value": round(float(v), 5)}
-                for slot, key, given, a, p, v in zip(slots.tolist(), keys, labels, answer, confidence, values.tolist())]
-
+        return suspect_listing(lr, w.store.classes(), lr.buffer.images[slots], values,
+                            [key if key >= 0 else None for key in keys], slots.tolist(), labels)
 
     def recent_suspect_rows(self, limit: int, recent: int) -> list[dict]:
         """The latest `recent` learned samples whose pixels the log keeps, valued as `suspect_rows` values the
@@ -157,23 +152,27 @@ class CorrectionRequests:
         entries = [e for e in w.store.recent(w.trained_upto, recent) if e.seq not in lr.confirmed]
         if not entries:
             return []
-        values, answers, confidences = [], [], []
+        stored, values = [], []
         for i in range(0, len(entries), RECENT_BATCH):
             part = entries[i:i + RECENT_BATCH]
-            stored = lr.encode(images_from_blobs([e.image for e in part], w.image_shape).to(lr.device))
-            values.append(lr.values_to_memory(stored, torch.tensor([e.class_id for e in part])))
-            confidence, answer = torch.softmax(lr.logits(stored), 1).max(1)  # calibrated: log-probabilities
-            answers.append(answer.cpu())
-            confidences.append(confidence.cpu())
-        values, answers, confidences = torch.cat(values), torch.cat(answers), torch.cat(confidences)
-        classes = w.store.classes()
-        rows = []
-        for at in torch.argsort(values, stable=True)[:limit].tolist():
-            e = entries[at]
-            rows.append({"seq": e.seq, "slot": lr.buffer.slot_of(e.seq), "label": label_of(classes, e.class_id),
-                         "answer": label_of(classes, int(answers[at])), "probability": round(float(confidences[at]), 4),
-                         "value": round(float(values[at]), 5)})
-        return rows
+            stored.append(lr.encode(images_from_blobs([e.image for e in part], w.image_shape).to(lr.device)))
+            values.append(lr.values_to_memory(stored[-1], torch.tensor([e.class_id for e in part])))
+        values = torch.cat(values)
+        listed = torch.argsort(values, stable=True)[:limit]  # only those listed are answered
+        picked = [entries[at] for at in listed.tolist()]
+        return suspect_listing(lr, w.store.classes(), torch.cat(stored)[listed.to(lr.device)], values[listed],
+                            [e.seq for e in picked], [lr.buffer.slot_of(e.seq) for e in picked],
+                            [e.class_id for e in picked])
+
+
+def suspect_listing(learner, classes: list[str | None], stored: torch.Tensor, values: torch.Tensor, seqs: list,
+                 slots: list, given: list[int]) -> list[dict]:
+    """The suspects' rows: each sample's seq and memory slot, the label it was given, the served answer and its
+    probability, and its value."""
+    confidence, answer = torch.softmax(learner.logits(stored), 1).cpu().max(1)  # calibrated: log-probabilities
+    return [{"seq": seq, "slot": slot, "label": label_of(classes, c), "answer": label_of(classes, int(a)),
+             "probability": round(float(p), 4), "value": round(float(v), 5)}
+            for seq, slot, c, a, p, v in zip(seqs, slots, given, answer, confidence, values.tolist())]
 
 
 def sample_state(record: SampleRecord, trained_upto: int) -> str:
