@@ -150,17 +150,29 @@ def test_the_suspect_rule_flags_wrong_labels_far_more_often_than_right_ones(nois
     assert wrong > 0.45 and right < 0.15 and wrong > 5 * right  # measured: 0.62 and 0.04
 
 
-def test_a_sample_the_rule_kept_out_comes_in_when_relabelled(eurosat_latents):
-    """The suspect rule keeps a sample out of streaming LDA and remembers its key: relabelled, it joins its new class
-    (nothing is taken from the old one, which never had it); forgotten, nothing moves."""
+@pytest.fixture(scope="module")
+def ruled(eurosat_latents):
+    """A learner under the suspect rule that has seen the noisy stream, with a sleep that rehearses from its memory
+    and its latent store alike, and each sample by key: (its pixels, the label given, the true one)."""
+    from learner.methods.sleep import SleepConfig
+
     data, backbone = eurosat_latents
     learner = make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
-                           lr=0.01, train_every=10**6, frozen_values=True, suspect_rule=True)
+                           lr=0.01, train_every=0, frozen_values=True, suspect_rule=True,
+                           sleep=SleepConfig(source="both"))
     samples = {}
     for x, y, true, keys in stream(data, 0.2):
         learner.observe(x, y, keys=keys)
         samples.update({int(k): (x[i:i + 1], int(y[i]), int(true[i])) for i, k in enumerate(keys)})
     assert learner.kept_out and learner.suspects_kept_out == len(learner.kept_out)
+    return learner, samples
+
+
+def test_a_sample_the_rule_kept_out_comes_in_when_relabelled(ruled, eurosat_latents):
+    """The suspect rule keeps a sample out of streaming LDA and remembers its key: relabelled, it joins its new class
+    (nothing is taken from the old one, which never had it); forgotten, nothing moves."""
+    learner, samples = ruled
+    backbone = eurosat_latents[1]
     flipped_out = [k for k in sorted(learner.kept_out) if samples[k][1] != samples[k][2]]
     key = next(k for k in flipped_out if learner.buffer.slot_of(k) is None)
     x, given, true = samples[key]
@@ -169,3 +181,36 @@ def test_a_sample_the_rule_kept_out_comes_in_when_relabelled(eurosat_latents):
     moved = learner.stream_head.counts - counts
     assert moved[true] == 1 and moved.abs().sum() == 1 and key not in learner.kept_out
     learner.solved_head()  # the statistics still solve
+
+
+def test_a_kept_out_sample_a_person_confirms_joins_its_class(ruled, eurosat_latents):
+    """A false alarm of the rule (its label right), confirmed: it joins the class it was given, and is no suspect."""
+    learner, samples = ruled
+    key = next(k for k in sorted(learner.kept_out) if samples[k][1] == samples[k][2]
+               and learner.buffer.slot_of(k) is None)
+    x, given, _ = samples[key]
+    counts = learner.stream_head.counts.clone()
+    assert learner.correct_sample(key, given, given, eurosat_latents[1].encode(x)).stream_head
+    moved = learner.stream_head.counts - counts
+    assert moved[given] == 1 and moved.abs().sum() == 1
+    assert key not in learner.kept_out and key in learner.confirmed
+
+
+def test_suspects_are_neither_replayed_nor_rehearsed_in_a_sleep(ruled):
+    """Replay retrieves only slots whose sample the rule did not keep out; a sleep draws neither such a memory slot
+    nor such a latent of its store."""
+    learner, _ = ruled
+    buffer, store = learner.buffer, learner.sleeper.store
+    out = torch.tensor(sorted(learner.kept_out))
+    remembered = torch.isin(buffer.keys[:len(buffer)], out)
+    assert remembered.any() and torch.isin(store.keys[:len(store)], out).any()  # there are suspects to keep out
+    eligible = learner.context().eligible_slots(buffer).cpu()
+    assert len(eligible) == int((~remembered).sum()) and not torch.isin(buffer.keys[eligible], out).any()
+    read, drawn = store.read, []
+    store.read = lambda slots: (drawn.append(slots), read(slots))[1]
+    suspect_rows = buffer.images[:len(buffer)][remembered].flatten(1)
+    latents, _ = learner.sleeper._draw(learner, 400, torch.zeros(len(store), dtype=torch.bool))
+    from_memory = latents[:200].flatten(1)
+    assert not (from_memory[:, None] == suspect_rows[None]).all(-1).any()
+    assert not torch.isin(store.keys[torch.cat(drawn)], out).any()
+    assert learner.sleep(budget=320).updates == 320  # and a sleep runs on what is trusted

@@ -7,8 +7,9 @@ there alone). What gradient steps did to the trained top cannot be taken back ex
 and sleeps train it on the corrected memory. `ContinualLearner` inherits it.
 
 With `suspect_rule`, an incoming sample whose value to the memory (`shapley.incoming_values`) is below zero, its
-label disagreeing with the remembered samples around it, is kept out of the streaming head's statistics (the
-memory's own update values it as every sample)."""
+label disagreeing with the remembered samples around it, is kept out of the streaming head's statistics, of what
+is replayed from the memory and of what a sleep rehearses, until a person relabels or confirms it (the memory's own
+update values it as every sample, and the sleep's store keeps it, undrawn)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class SampleCorrections:
         label, and the sample is never a suspect again."""
         if new_class == old_class:
             self.confirmed.add(key)
-            return Correction()
+            return self._admit_kept_out(key, old_class, stored) if key in self.kept_out else Correction()
         sleeper = getattr(self, "sleeper", None)
         in_store = sleeper is not None and sleeper.store.correct(key, new_class)  # first: a full disk changes nothing
         buffer = getattr(self, "buffer", None)
@@ -97,3 +98,26 @@ class SampleCorrections:
         self.version += 1
         return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None,
                           in_sleep_store=in_store)
+
+    def _admit_kept_out(self, key: int, label: int, stored: torch.Tensor | None) -> Correction:
+        """A sample the suspect rule kept out, confirmed by a person: it joins the streaming head's statistics (its
+        stored form from the memory or the caller), and replay and sleep may draw it again."""
+        buffer = getattr(self, "buffer", None)
+        slot = buffer.slot_of(key) if buffer is not None else None
+        if slot is not None:
+            stored = buffer.images[slot:slot + 1]
+        if stored is None:  # nothing to learn it from: it stays out
+            return Correction()
+        self.kept_out.discard(key)
+        if self.stream_head is not None:
+            self.stream_head.update(self.frozen_features(stored.to(self.device)).float(), torch.tensor([label]))
+            self._solved = None
+        self.version += 1
+        return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None)
+
+    def trusted(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """A mask of the `keys` (a memory's or a sleep store's) that replay and sleep may draw: all but the samples
+        the suspect rule kept out, until a person relabels or confirms them. None: every one."""
+        if not self.kept_out:
+            return None
+        return ~torch.isin(keys.cpu(), torch.tensor(sorted(self.kept_out), dtype=keys.dtype))

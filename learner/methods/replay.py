@@ -63,6 +63,10 @@ class ReplayLearner(ContinualLearner):
         eligible = None
         if self.exclude_current_task and self.current_task_classes is not None:
             eligible = ~torch.isin(self.buffer.labels, self.current_task_classes)
+        trusted = self.trusted(self.buffer.keys)  # the suspect rule's suspects are not replayed
+        if trusted is not None:
+            trusted = trusted.to(self.buffer.device)
+            eligible = trusted if eligible is None else eligible & trusted
         return self.step_context(self.buffer, eligible)
 
     def retrieve(self, images: torch.Tensor, labels: torch.Tensor, ctx: StepContext,
