@@ -75,16 +75,20 @@ def test_a_sleep_teaches_the_top_what_the_store_holds_and_keeps_what_the_held_ba
 
 def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(eurosat_latents, streamed):
     """With the top trained only in sleeps, the memory's KNN-SVs are taken on the frozen network's pooled features
-    (those streaming LDA reads): the memory's cached features are exactly them, under the frozen space's version."""
+    (those streaming LDA reads): the memory's cached features are exactly them, under the frozen space's version,
+    and a slot the step filled has them from the batch already (no second pass over the upper blocks)."""
     from learner.methods.base import FROZEN_SPACE_VERSION
 
     data, backbone = eurosat_latents
     learner = after_the_stream(backbone, streamed)
+    offered = learner.buffer.n_seen
     learner.observe(data.train_x[data.train_y == 0][-10:], torch.zeros(10, dtype=torch.long))  # a full class: values
     buffer, n = learner.buffer, len(learner.buffer)
     assert learner.values_frozen and n == 100
     cached = buffer.feature_version[:n] == FROZEN_SPACE_VERSION
     assert bool(cached.any()) and bool((cached | (buffer.feature_version[:n] < 0)).all())  # no top's features
+    admitted = buffer.entered[:n] >= offered
+    assert bool(admitted.any()) and bool(cached[admitted].all())
     expected = learner.frozen_features(buffer.images[:n][cached]).float()
     assert torch.allclose(buffer.features[:n][cached].float(), expected, atol=1e-3)
 

@@ -186,14 +186,15 @@ class ReplayBuffer:
 
 @contextmanager
 def record_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: torch.Tensor,
-                    keys: torch.Tensor | None = None):
+                    keys: torch.Tensor | None = None, features: torch.Tensor | None = None, version: int = -1):
     """Around a step: for each sample the step admits, its id (`keys`, the caller's, one a sample of the batch:
-    `ReplayBuffer.keys`) and, on a latent memory, a small picture (`ReplayBuffer.pictures`: what a person browsing
-    the memory sees); the step's stored samples tell which sample a slot took."""
+    `ReplayBuffer.keys`), on a latent memory a small picture (`ReplayBuffer.pictures`: what a person browsing
+    the memory sees) and, given, its features of weights `version` (the batch's, computed already: the memory's
+    next valuation need not compute them again); the step's stored samples tell which sample a slot took."""
     # the images kept as they are (the same tensor, or the same part of one) need no picture
     same = pixels.data_ptr() == stored.data_ptr() and pixels.shape == stored.shape
     pictures = not same and pixels.dtype == torch.uint8
-    if buffer is None or not (pictures or keys is not None):
+    if buffer is None or not (pictures or keys is not None or features is not None):
         yield
         return
     offered = buffer.n_seen
@@ -207,3 +208,5 @@ def record_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: t
             buffer.keep_pictures(slots[found], pixels[sample[found]])
         if keys is not None:
             buffer.keys[slots[found].cpu()] = keys.cpu()[sample[found].cpu()]
+        if features is not None and bool(found.any()):
+            buffer.store_features(slots[found], features[sample[found]].float().to(buffer.device), version)

@@ -184,7 +184,8 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                 return {}
         self._update_stream_head(frozen, labels, keys)
         self._keep_for_sleep(images, labels, keys)
-        with record_admitted(getattr(self, "buffer", None), pixels, images, keys), self._incoming(images, frozen):
+        with record_admitted(getattr(self, "buffer", None), pixels, images, keys, *self._admitted_features(frozen)), \
+                self._incoming(images, frozen):
             if not trains:
                 self._pass_through(images, labels, lean)
                 stats = {}
@@ -340,8 +341,10 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
             part = None if keys is None else keys[i:i + step]
-            with record_admitted(getattr(self, "buffer", None), pixels[i:i + step], images[i:i + step], part):
-                with self._incoming(images[i:i + step], None if frozen is None else frozen[i:i + step]):
+            frozen_part = None if frozen is None else frozen[i:i + step]
+            with record_admitted(getattr(self, "buffer", None), pixels[i:i + step], images[i:i + step], part,
+                                 *self._admitted_features(frozen_part)):
+                with self._incoming(images[i:i + step], frozen_part):
                     self._pass_through(images[i:i + step], labels[i:i + step], lean)
         self.samples_skipped += images.shape[0]
 
@@ -395,6 +398,10 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             yield
         finally:
             self._incoming_batch = None
+
+    def _admitted_features(self, frozen: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+        """What `record_admitted` caches for the slots a step fills: in the frozen space, the batch's features."""
+        return (frozen, FROZEN_SPACE_VERSION) if frozen is not None and self.values_frozen else (None, -1)
 
     def frozen_extract(self, stored: torch.Tensor) -> torch.Tensor:
         """The frozen network's pooled features of stored latents: the incoming batch's as already computed."""
