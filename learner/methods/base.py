@@ -404,11 +404,17 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         return (frozen, FROZEN_SPACE_VERSION) if frozen is not None and self.values_frozen else (None, -1)
 
     def frozen_extract(self, stored: torch.Tensor) -> torch.Tensor:
-        """The frozen network's pooled features of stored latents: the incoming batch's as already computed."""
+        """The frozen network's pooled features of stored latents: the incoming batch's as already computed (the
+        batch itself, or rows of it: the slots a step filled before its memory update valued them)."""
         incoming = self._incoming_batch
-        if incoming is not None and incoming[1] is not None and stored.shape == incoming[0].shape \
-                and stored.data_ptr() == incoming[0].data_ptr():
-            return incoming[1].float()
+        if incoming is not None and incoming[1] is not None:
+            batch, features = incoming
+            if stored.shape == batch.shape and stored.data_ptr() == batch.data_ptr():
+                return features.float()
+            if 0 < len(stored) <= len(batch) and stored.shape[1:] == batch.shape[1:]:
+                same = (stored.flatten(1)[:, None] == batch.flatten(1).to(stored.device)[None]).all(2)
+                if bool(same.any(1).all()):
+                    return features[same.float().argmax(1).to(features.device)].float()
         return self.frozen_features(stored).float()
 
     def step_context(self, buffer, eligible: torch.Tensor | None = None) -> StepContext:
