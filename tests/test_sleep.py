@@ -248,3 +248,27 @@ def test_the_served_answer_on_held_samples_skips_the_tops_pass_only_where_no_cla
     assert learner.sleep().kept
     assert learner.head_choice.reads_top(learner.num_classes)  # the sleep taught the top: the pool weighs it
     assert torch.allclose(learner.served_logits(stored, frozen), full())
+
+
+def test_once_the_top_serves_the_temperature_prior_is_a_trained_softmaxs(eurosat_latents, streamed):
+    """Calibration's prior follows what is served: streaming LDA's logits (which earn a temperature near 5) until a
+    sleep has taught the top, then the composition's log-probabilities, already fitted by likelihood (near 1)."""
+    from learner import make_learner
+    from learner.heads.calibration import COMPOSED_PRIOR_TEMPERATURE, PRIOR_TEMPERATURE, fit_temperature
+    from learner.methods.sleep import SleepConfig
+
+    data, backbone = eurosat_latents
+    learner = make_learner("cb-sv-duel", 4, mem_size=100, loss="ace", lr=0.01, ema_decay=0.99, backbone=backbone,
+                           serving_head="slda", choose_head="held-back", head_prior="pool", train_every=0,
+                           sleep=SleepConfig(epochs=1), seed=0, calibrate=True)
+    learner.load_state_dict(streamed)
+
+    def fitted_under(prior: float) -> float:
+        stored, frozen, labels = learner.held_back.stacked()
+        return fit_temperature(learner.served_logits(stored, frozen).cpu(), labels, prior)
+
+    assert not learner.head_choice.reads_top(4)
+    assert learner.calibration().temperature == fitted_under(PRIOR_TEMPERATURE)
+    assert learner.sleep().kept and learner.head_choice.reads_top(4)
+    temperature = learner.calibration().temperature
+    assert temperature == fitted_under(COMPOSED_PRIOR_TEMPERATURE) != fitted_under(PRIOR_TEMPERATURE)

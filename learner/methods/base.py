@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 import torch
 from torch.nn import functional as F
 
-from ..heads.calibration import FALSE_ALARM, Calibration, unit_means
+from ..heads.calibration import COMPOSED_PRIOR_TEMPERATURE, FALSE_ALARM, PRIOR_TEMPERATURE, Calibration, unit_means
 from ..heads.ema import WeightAverage
 from ..heads.head_choice import HeadChoice
 from ..heads.held_back import HeldBack
@@ -278,7 +278,9 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             logits = self.served_logits(stored.to(self.device), frozen).cpu()
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
-        return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm)
+        reads_top = self.head_choice is not None and self.head_choice.reads_top(self.num_classes)
+        return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
+                               COMPOSED_PRIOR_TEMPERATURE if reads_top else PRIOR_TEMPERATURE)
 
     @property
     def held_measure_due(self) -> bool:
