@@ -159,7 +159,7 @@ def ruled(eurosat_latents):
     data, backbone = eurosat_latents
     learner = make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
                            lr=0.01, train_every=0, frozen_values=True, suspect_rule=True,
-                           sleep=SleepConfig(source="both"))
+                           sleep=SleepConfig(source="both", store_capacity=2000))
     samples = {}
     for x, y, true, keys in stream(data, 0.2):
         learner.observe(x, y, keys=keys)
