@@ -158,18 +158,17 @@ class Sleeper:
         from_memory = n if source == "memory" else n // 2 if source == "both" else 0
         parts = []
         if from_memory and len(learner.buffer):
-            slots = torch.randint(len(learner.buffer), (from_memory,), generator=self.generator)
             trusted = learner.trusted(learner.buffer.keys[:len(learner.buffer)])  # suspects are not rehearsed
-            if trusted is not None:
-                slots = trusted.nonzero().flatten()
-                slots = slots[torch.randint(len(slots), (from_memory if len(slots) else 0,), generator=self.generator)]
+            pool = torch.arange(len(learner.buffer)) if trusted is None else trusted.nonzero().flatten()
+            slots = pool[torch.randint(len(pool), (from_memory if len(pool) else 0,), generator=self.generator)]
             slots = slots.to(learner.device)
             parts.append((learner.buffer.images[slots], learner.buffer.labels[slots]))
         rest = n - sum(len(p[1]) for p in parts)
         if rest:
             trusted = learner.trusted(self.store.keys[:len(self.store)])
             half = rest // 2 if self.config.draw == "new-half" and bool(new.any()) else 0
-            slots = torch.cat([self.store.draw_balanced(half, self.generator, among=_both(new, trusted)),
+            slots = torch.cat([self.store.draw_balanced(half, self.generator,
+                                                        among=new if trusted is None else new & trusted),
                                self.store.draw_balanced(rest - half, self.generator, among=trusted)])
             latents, labels = self.store.read(slots)
             parts.append((latents.to(learner.device, learner.backbone.stored_dtype), labels.to(learner.device)))
@@ -192,10 +191,6 @@ class Sleeper:
         self.top_classes.update(state["top_classes"])
         self.sleeps, self.updates, self.cpu_seconds = state["sleeps"], state["updates"], state["cpu_seconds"]
         self.reports = list(state["reports"])
-
-
-def _both(mask: torch.Tensor, trusted: torch.Tensor | None) -> torch.Tensor:
-    return mask if trusted is None else mask & trusted
 
 
 def shown_worse(before: torch.Tensor, after: torch.Tensor) -> bool:
