@@ -210,6 +210,7 @@ def test_suspects_are_neither_replayed_nor_rehearsed_in_a_sleep(ruled):
     store.read = lambda slots: (drawn.append(slots), read(slots))[1]
     suspect_rows = buffer.images[:len(buffer)][remembered].flatten(1)
     latents, _ = learner.sleeper._draw(learner, 400, torch.zeros(len(store), dtype=torch.bool))
+    store.read = read
     from_memory = latents[:200].flatten(1)
     assert not (from_memory[:, None] == suspect_rows[None]).all(-1).any()
     assert not torch.isin(store.keys[torch.cat(drawn)], out).any()

@@ -257,10 +257,9 @@ def test_once_the_top_serves_the_temperature_prior_is_a_trained_softmaxs(eurosat
     from learner.heads.calibration import COMPOSED_PRIOR_TEMPERATURE, PRIOR_TEMPERATURE, fit_temperature
     from learner.methods.sleep import SleepConfig
 
-    data, backbone = eurosat_latents
-    learner = make_learner("cb-sv-duel", 4, mem_size=100, loss="ace", lr=0.01, ema_decay=0.99, backbone=backbone,
-                           serving_head="slda", choose_head="held-back", head_prior="pool", train_every=0,
-                           sleep=SleepConfig(epochs=1), seed=0, calibrate=True)
+    learner = make_learner("cb-sv-duel", 4, mem_size=100, loss="ace", lr=0.01, ema_decay=0.99,
+                           backbone=eurosat_latents[1], serving_head="slda", choose_head="held-back", head_prior="pool",
+                           train_every=0, sleep=SleepConfig(epochs=1), seed=0, calibrate=True)
     learner.load_state_dict(streamed)
 
     def fitted_under(prior: float) -> float:
