@@ -184,6 +184,17 @@ class ReplayBuffer:
             self.feature_version[:n] = state["feature_version"].to(self.device)
 
 
+def rows_of(rows: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of `rows` are equal to a sample of `batch` (a mask), and the index in `batch` of each that is.
+
+    >>> found, at = rows_of(torch.tensor([[2, 2], [5, 5]]), torch.tensor([[1, 1], [2, 2]]))
+    >>> found.tolist(), at[found].tolist()
+    ([True, False], [1])
+    """
+    same = (rows.flatten(1)[:, None] == batch.flatten(1).to(rows.device)[None]).all(2)  # [rows, batch]
+    return same.any(1), same.float().argmax(1)
+
+
 @contextmanager
 def record_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: torch.Tensor,
                     keys: torch.Tensor | None = None, features: torch.Tensor | None = None, version: int = -1):
@@ -201,9 +212,7 @@ def record_admitted(buffer: ReplayBuffer | None, pixels: torch.Tensor, stored: t
     yield
     slots = torch.nonzero(buffer.entered[:buffer.size] >= offered).flatten().to(buffer.device)
     if slots.numel():
-        kept = buffer.images[slots].flatten(1)
-        same = (kept[:, None, :] == stored.flatten(1).to(kept.device)[None]).all(2)  # [slots, batch]
-        found, sample = same.any(1), same.float().argmax(1)
+        found, sample = rows_of(buffer.images[slots], stored)
         if pictures:
             buffer.keep_pictures(slots[found], pixels[sample[found]])
         if keys is not None:

@@ -23,7 +23,7 @@ from ..heads.head_choice import HeadChoice
 from ..heads.held_back import HeldBack
 from ..heads.serving import Serving
 from ..heads.streaming_lda import LinearHead, make_head
-from ..memory.buffer import record_admitted
+from ..memory.buffer import record_admitted, rows_of
 from ..memory.latent import Latent
 from ..memory.policy import StepContext
 from ..networks.backbone import ScratchBackbone
@@ -414,9 +414,9 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             if stored.shape == batch.shape and stored.data_ptr() == batch.data_ptr():
                 return features.float()
             if 0 < len(stored) <= len(batch) and stored.shape[1:] == batch.shape[1:]:
-                same = (stored.flatten(1)[:, None] == batch.flatten(1).to(stored.device)[None]).all(2)
-                if bool(same.any(1).all()):
-                    return features[same.float().argmax(1).to(features.device)].float()
+                found, at = rows_of(stored, batch)
+                if bool(found.all()):
+                    return features[at.to(features.device)].float()
         return self.frozen_features(stored).float()
 
     def step_context(self, buffer, eligible: torch.Tensor | None = None) -> StepContext:

@@ -70,9 +70,7 @@ class SampleCorrections:
         sleeper = getattr(self, "sleeper", None)
         in_store = sleeper is not None and sleeper.store.correct(key, new_class)  # first: a full disk changes nothing
         buffer = getattr(self, "buffer", None)
-        slot = buffer.slot_of(key) if buffer is not None else None
-        if slot is not None:
-            stored = buffer.images[slot:slot + 1]
+        slot, stored = self._stored_form(key, stored)
         if stored is None:
             return Correction(in_sleep_store=in_store)
         if new_class is not None:
@@ -102,10 +100,7 @@ class SampleCorrections:
     def _admit_kept_out(self, key: int, label: int, stored: torch.Tensor | None) -> Correction:
         """A sample the suspect rule kept out, confirmed by a person: it joins the streaming head's statistics (its
         stored form from the memory or the caller), and replay and sleep may draw it again."""
-        buffer = getattr(self, "buffer", None)
-        slot = buffer.slot_of(key) if buffer is not None else None
-        if slot is not None:
-            stored = buffer.images[slot:slot + 1]
+        slot, stored = self._stored_form(key, stored)
         if stored is None:  # nothing to learn it from: it stays out
             return Correction()
         self.kept_out.discard(key)
@@ -114,6 +109,12 @@ class SampleCorrections:
             self._solved = None
         self.version += 1
         return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None)
+
+    def _stored_form(self, key: int, stored: torch.Tensor | None) -> tuple[int | None, torch.Tensor | None]:
+        """The memory's slot of the sample `key` and its stored form there, else the caller's (`stored`)."""
+        buffer = getattr(self, "buffer", None)
+        slot = buffer.slot_of(key) if buffer is not None else None
+        return slot, buffer.images[slot:slot + 1] if slot is not None else stored
 
     def trusted(self, keys: torch.Tensor) -> torch.Tensor | None:
         """A mask of the `keys` (a memory's or a sleep store's) that replay and sleep may draw: all but the samples
