@@ -140,7 +140,7 @@ class CorrectionRequests:
         slots, values = lr.suspects(limit)
         keys, labels = lr.buffer.keys[slots.cpu()].tolist(), lr.buffer.labels[slots].tolist()
         return suspect_listing(lr, w.store.classes(), lr.buffer.images[slots], values,
-                            [key if key >= 0 else None for key in keys], slots.tolist(), labels)
+                               [key if key >= 0 else None for key in keys], slots.tolist(), labels)
 
     def recent_suspect_rows(self, limit: int, recent: int) -> list[dict]:
         """The latest `recent` learned samples whose pixels the log keeps, valued as `suspect_rows` values the
@@ -161,12 +161,12 @@ class CorrectionRequests:
         listed = torch.argsort(values, stable=True)[:limit]  # only those listed are answered
         picked = [entries[at] for at in listed.tolist()]
         return suspect_listing(lr, w.store.classes(), torch.cat(stored)[listed.to(lr.device)], values[listed],
-                            [e.seq for e in picked], [lr.buffer.slot_of(e.seq) for e in picked],
-                            [e.class_id for e in picked])
+                               [e.seq for e in picked], [lr.buffer.slot_of(e.seq) for e in picked],
+                               [e.class_id for e in picked])
 
 
 def suspect_listing(learner, classes: list[str | None], stored: torch.Tensor, values: torch.Tensor, seqs: list,
-                 slots: list, given: list[int]) -> list[dict]:
+                    slots: list, given: list[int]) -> list[dict]:
     """The suspects' rows: each sample's seq and memory slot, the label it was given, the served answer and its
     probability, and its value."""
     confidence, answer = torch.softmax(learner.logits(stored), 1).cpu().max(1)  # calibrated: log-probabilities
