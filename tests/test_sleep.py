@@ -93,6 +93,29 @@ def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(euros
     assert torch.allclose(buffer.features[:n][cached].float(), expected, atol=1e-3)
 
 
+def test_awake_the_pool_is_fitted_again_as_streaming_lda_learns_young_classes(eurosat_latents):
+    """Between sleeps the top does not move, but streaming LDA learns new classes and the held-back samples grow: the
+    pool's weight and temperature are fitted on them as they are now, not left as the last sleep fitted them (which
+    served young classes' photos far less sure than right), and each held sample passes through the top once."""
+    from learner.heads.head_choice import fit_pool
+
+    learner = sleeping_learner(eurosat_latents[1], epochs=1)
+    stream(learner, eurosat_latents[0], (0, 1))
+    assert learner.sleep().kept
+    version, held = learner.version, len(learner.held_back)
+    stream(learner, eurosat_latents[0], (2, 3))
+    assert learner.version == version and len(learner.held_back) > held  # awake: the top never stepped
+    learner.measure_held()
+    assert not learner.held_measure_due
+    stored, frozen, labels = learner.held_back.stacked()
+    top = learner.held_top_probabilities()
+    assert torch.allclose(top, learner.top_probabilities(stored), atol=1e-6)
+    assert learner._held_tops[0] == (version, learner.num_classes) and len(learner._held_tops[1]) == len(labels)
+    probabilities = learner.head_probabilities(stored, frozen, top=top)
+    weighed = learner.head_choice.weighed(learner.num_classes)
+    assert learner.head_choice.pool == fit_pool(probabilities["slda"], probabilities["top"], labels, weighed)
+
+
 def test_a_sleep_that_wrecks_the_top_never_serves_worse_on_the_held_back_samples(eurosat_latents, streamed):
     from learner.methods.sleep import _served_right_on_held, shown_worse
 

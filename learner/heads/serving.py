@@ -81,18 +81,23 @@ class Serving:
         last (a learner behind its stream publishes what it skipped without paying for a solve)."""
         if self._solved is None or (solve and self.stream_head.solve_due(self._solved[0])):
             self._solved = (self.stream_head.counts.clone(), self.stream_head.head())
+            self._solves += 1
         return self._solved[1]
 
-    def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor,
-                           with_top: bool = True) -> dict[str, torch.Tensor]:
+    def top_probabilities(self, stored: torch.Tensor) -> torch.Tensor:
+        """The serving top's softmax of stored latents, on the CPU."""
+        with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
+            return torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
+
+    def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor, with_top: bool = True,
+                           top: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Each candidate head's probabilities (`learner.heads.head_choice.CANDIDATES`) of stored latents and their
         frozen features, over class ids 0..num_classes-1, on the CPU. `with_top` False: without the top's pass (its
-        probabilities all ones), for a composition that does not read them (`HeadChoice.reads_top`)."""
+        probabilities all ones), for a composition that does not read them (`HeadChoice.reads_top`); `top`: the top's
+        probabilities already computed (`held_top_probabilities`)."""
         slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
-        top = torch.ones_like(slda)
-        if with_top:
-            with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
-                top = torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
+        if top is None:
+            top = self.top_probabilities(stored) if with_top else torch.ones_like(slda)
         return candidates(slda, top, self.head_choice.pool_of(self.num_classes) if self.head_choice is not None
                           else UNFITTED_POOL)
 
@@ -129,11 +134,14 @@ class Serving:
         calibration = self.calibration()
         return served if calibration is None else calibration.probabilities(served.clamp_min(1e-30).log())
 
-    def served_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
-        """The served head's logits of stored latents (or images) and their frozen features, before calibration."""
+    def served_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None = None,
+                      top: torch.Tensor | None = None) -> torch.Tensor:
+        """The served head's logits of stored latents (or images) and their frozen features, before calibration;
+        `top`: the top's probabilities of them, where already computed."""
         if self.head_choice is not None:
             # no served class reads the top: the same answers without its pass (the held-back fits' cost)
-            probabilities = self.head_probabilities(stored, frozen, self.head_choice.reads_top(self.num_classes))
+            reads_top = self.head_choice.reads_top(self.num_classes)
+            probabilities = self.head_probabilities(stored, frozen, reads_top, top if reads_top else None)
             return self.head_choice.compose(probabilities).clamp_min(1e-30).log()
         if self.streams:
             return self.solved_head().full_logits(frozen.cpu().float(), self.num_classes)
@@ -172,6 +180,7 @@ class Serving:
         correct on, `averaged_model` serves."""
         buffer = getattr(self, "buffer", None)
         self._folded = None  # the served weights change
+        self._held_tops = (None, {})  # ... under the same version: the top's probabilities of held samples go
         if (self.serving_bn != "memory" and not self.serving_bias) or buffer is None or len(buffer) == 0:
             self._served_copy = None
             return

@@ -143,8 +143,10 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         if self.sleeper is not None and self.head_choice is not None and train_every == 0:
             self.head_choice.top_classes = self.sleeper.top_classes  # the top knows only what a sleep taught it
         self._solved = None  # (the class counts it was solved at, the solved streaming head)
+        self._solves = 0  # how often it was solved: the held-back measure follows it (`held_measure_due`)
         self._incoming_batch = None  # (stored, frozen) of the batch being learned (`frozen_extract`)
-        self._held_measured_at: int | None = None  # the weights version the held-back samples were last measured at
+        self._held_measured_at: tuple | None = None  # what the held-back samples were last measured on (`_held_key`)
+        self._held_tops: tuple = (None, {})  # (weights version, classes), {id: (stored, the top's probabilities)}
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
@@ -238,9 +240,29 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             return False
         choice = self.head_choice
         stored, features, labels = choice.held.stacked()
-        choice.choose_on_held(self.head_probabilities(stored.to(self.device), features), labels)
-        self._held_measured_at = self.version
+        choice.choose_on_held(self.head_probabilities(stored, features, top=self.held_top_probabilities()), labels)
+        self._held_measured_at = self._held_key()
         return True
+
+    def _held_key(self) -> tuple:
+        """What a measure on the held-back samples reads: the weights, the samples held of each class and streaming
+        LDA as solved. Awake, a top trained only in sleeps stays while streaming LDA learns young classes: the pool's
+        weight and temperature are fitted again as it does, not left as the last sleep fitted them."""
+        held = self.head_choice.held
+        return self.version, tuple((c, len(s)) for c, s in sorted(held.samples.items())), self._solves
+
+    def held_top_probabilities(self) -> torch.Tensor:
+        """The top's probabilities of the held-back samples (in `HeldBack.stacked` order), each computed once a
+        weights version: a measure while the top does not move passes only the samples held since."""
+        key = (self.version, self.num_classes)
+        if self._held_tops[0] != key:
+            self._held_tops = (key, {})
+        cache = self._held_tops[1]
+        stored = [s for _, held in sorted(self.held_back.samples.items()) for s, _ in held]
+        new = [s for s in stored if id(s) not in cache]  # the cache holds each tensor: its id stays its own
+        if new:
+            cache.update({id(s): (s, p) for s, p in zip(new, self.top_probabilities(torch.stack(new).to(self.device)))})
+        return torch.stack([cache[id(s)][1] for s in stored])
 
     @property
     def held_back(self) -> HeldBack | None:
@@ -275,7 +297,8 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         if len(held):
             stored, frozen, labels = held.stacked()
             frozen = frozen if self.stream_head is not None else None
-            logits = self.served_logits(stored.to(self.device), frozen).cpu()
+            top = self.held_top_probabilities() if self.head_choice is not None else None
+            logits = self.served_logits(stored.to(self.device), frozen, top).cpu()
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
         reads_top = self.head_choice is not None and self.head_choice.reads_top(self.num_classes)
@@ -284,10 +307,11 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
 
     @property
     def held_measure_due(self) -> bool:
-        """Whether held-back samples are there to measure and the weights changed since they last were."""
+        """Whether held-back samples are there to measure and what a measure reads (`_held_key`) changed since the
+        last."""
         choice = self.head_choice
         return (choice is not None and choice.held is not None and bool(choice.held.measured())
-                and self._held_measured_at != self.version)
+                and self._held_measured_at != self._held_key())
 
     def warm_up(self) -> None:
         """Build what the first step would (the frozen part's onnxruntime session: its trace passes through

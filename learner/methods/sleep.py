@@ -216,7 +216,7 @@ def _served_right_on_held(learner) -> torch.Tensor | None:
     learner._held_measured_at = None  # held samples may have come since the last measure, at the same weights
     learner.measure_held()
     stored, features, labels = choice.held.stacked()
-    served = choice.compose(learner.head_probabilities(stored.to(learner.device), features))
+    served = choice.compose(learner.head_probabilities(stored, features, top=learner.held_top_probabilities()))
     return served.argmax(1) == labels
 
 
@@ -233,4 +233,4 @@ def _restore_serving(learner, saved: dict) -> None:
     if learner.head_choice is not None:
         learner.head_choice.load_state_dict(saved["head_choice"])
     learner.rename_weights()
-    learner._held_measured_at = learner.version  # the restored choice was measured on these weights
+    learner._held_measured_at = learner._held_key()  # the restored choice was measured on these weights
