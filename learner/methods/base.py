@@ -294,14 +294,14 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             unit_means(self.stream_head.sums, self.stream_head.counts, self.num_classes)
         live = torch.zeros(self.num_classes, dtype=torch.bool)
         live[[c for c in held.seen if c < self.num_classes]] = True  # offered, not forgotten
+        reads_top = self.head_choice is not None and self.head_choice.reads_top(self.num_classes)
         if len(held):
             stored, frozen, labels = held.stacked()
             frozen = frozen if self.stream_head is not None else None
-            top = self.held_top_probabilities() if self.head_choice is not None else None
-            logits = self.served_logits(stored.to(self.device), frozen, top).cpu()
+            logits = self.served_logits(stored.to(self.device), frozen,
+                                        self.held_top_probabilities() if reads_top else None).cpu()
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
-        reads_top = self.head_choice is not None and self.head_choice.reads_top(self.num_classes)
         return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
                                COMPOSED_PRIOR_TEMPERATURE if reads_top else PRIOR_TEMPERATURE)
 
