@@ -86,6 +86,38 @@ def test_each_class_is_answered_by_its_head_in_the_learner_the_predictor_and_the
     assert np.allclose(torch.softmax(torch.from_numpy(logits), 1).numpy(), expected.numpy(), atol=1e-3)
 
 
+def test_a_choice_that_reads_no_top_answers_alike_without_the_tops_pass(stream, tmp_path):
+    """While every class is streaming LDA's (before the top is measured better anywhere), the predictor and the
+    snapshot leave the top's pass out, to the learner's answers; once a class reads the top, both pass through it."""
+    batches, test = stream
+    learner = chosen_learner()
+    for x, y in batches:
+        learner.observe(x, y)
+    classes = ["a", "b", "c", "d"]
+
+    def snapshot(name: str) -> tuple[np.ndarray, int]:
+        weight, bias, served_choice = learner.served_choice()
+        path = tmp_path / f"{name}.onnx"
+        export_onnx(PixelsToLogits(learner.serving_model, [0, 1, 2, 3], learner.served_head(),
+                                   backbone=learner.backbone, stream_head=(weight, bias),
+                                   choice=served_choice.tolist(), pool=learner.head_choice.pool_of(4)),
+                    classes, path, {"head": "chosen"})
+        logits = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})[0]
+        return torch.softmax(torch.from_numpy(logits), 1).numpy(), path.stat().st_size
+
+    sizes = {}
+    for reads in (False, True):
+        if reads:
+            learner.head_choice.chosen = {1: "top"}
+        expected = torch.softmax(learner.logits(test), 1)
+        predictor = Predictor.from_learner(learner, classes, trained_upto=0)
+        assert predictor.reads_top == reads == learner.head_choice.reads_top(4)
+        assert torch.allclose(predictor.probabilities(test), expected, atol=1e-5)
+        answers, sizes[reads] = snapshot(str(reads))
+        assert np.allclose(answers, expected.numpy(), atol=1e-4)
+    assert sizes[True] > sizes[False] + 1_000_000, sizes  # the top's stages and head are in the graph only then
+
+
 def test_a_resumed_learner_keeps_the_measured_choice_and_answers_alike(stream):
     batches, test = stream
     learner = chosen_learner()

@@ -76,6 +76,20 @@ def candidates(slda: torch.Tensor, top: torch.Tensor, pool: tuple[float, float] 
     return {"slda": slda, "top": top, "mix": (slda + top) / 2, "pool": pooled(slda, top, *pool)}
 
 
+def reads_top(choice: torch.Tensor, pool_weight: torch.Tensor) -> bool:
+    """Whether answers composed by `choice` (indices into CANDIDATES) with the pool's weight a class read the top's
+    probabilities: a class answered by the top or the mix, or by a pool with a weight on the top. Where they do not,
+    the top's probabilities taken as all ones give the same answers without the top's pass.
+
+    >>> slda_and_pool = torch.tensor([0, 3])  # class 0 by streaming LDA, class 1 by the pool
+    >>> reads_top(slda_and_pool, torch.tensor([0.0, 0.0])), reads_top(slda_and_pool, torch.tensor([0.0, 0.4]))
+    (False, True)
+    """
+    if bool(torch.isin(choice, torch.tensor([CANDIDATES.index("top"), CANDIDATES.index("mix")])).any()):
+        return True
+    return bool((pool_weight[choice == CANDIDATES.index("pool")] != 0).any())
+
+
 def stack(answers: dict[str, torch.Tensor]) -> torch.Tensor:
     """The candidates' probabilities in CANDIDATES order: [heads, n, classes], as `compose` takes them."""
     return torch.stack([answers[h] for h in CANDIDATES])
@@ -190,13 +204,8 @@ class HeadChoice:
         return torch.tensor([CANDIDATES.index(self.head_of(c)) for c in range(num_classes)], dtype=torch.long)
 
     def reads_top(self, num_classes: int) -> bool:
-        """Whether the served answer reads the top's probabilities: a class answered by the top or the mix, or by a
-        pool with a weight on the top."""
-        choice = self.choice(num_classes)
-        if bool(torch.isin(choice, torch.tensor([CANDIDATES.index("top"), CANDIDATES.index("mix")])).any()):
-            return True
-        pooled_classes = choice == CANDIDATES.index("pool")
-        return bool((self.pool_of(num_classes)[0][pooled_classes] != 0).any())
+        """Whether the served answer reads the top's probabilities (`reads_top`)."""
+        return reads_top(self.choice(num_classes), self.pool_of(num_classes)[0])
 
     def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities: each class's from its head, renormalised."""

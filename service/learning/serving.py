@@ -5,7 +5,8 @@ by the `Publisher` (the served copy's corrections on the memory, the NCM head, t
 A predictor takes uint8 pixels to class probabilities through the learner's served path
 (`ContinualLearner.encode_incoming`, `encoded_features` and `served_head`): the folded network from scratch; on
 the pretrained backbone the frozen part (once, in onnxruntime), the latent as stored and the top's features, or the
-frozen features under streaming LDA, or both under a measured choice of head (`served_choice`). Training never changes one already published.
+frozen features under streaming LDA, or both under a measured choice of head (`served_choice`; the frozen ones
+alone while no class reads the top). Training never changes one already published.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.heads.calibration import Calibration
-from learner.heads.head_choice import UNFITTED_POOL, serve
+from learner.heads.head_choice import UNFITTED_POOL, reads_top, serve
 from learner.heads.ncm import ncm_head
 from learner.methods.base import ContinualLearner
 from service.storage.checkpoints import VersionLease
@@ -31,7 +32,7 @@ class Predictor:
     """An immutable inference model and the progress it stands for."""
 
     encode: object  # uint8 pixels -> (stored form, frozen features or None): the frozen part, run once
-    features: object  # (stored form, frozen features) -> the features the head reads
+    features: object  # (stored form, frozen features) -> the features the head reads (None: a choice not reading it)
     head_weight: torch.Tensor
     head_bias: torch.Tensor
     classes: tuple[str | None, ...]  # by class id; None: forgotten
@@ -64,7 +65,9 @@ class Predictor:
         n = min(len(classes), weight.shape[0])
         chosen = learner.served_choice(solve) if ncm is None else None
         pool = UNFITTED_POOL if chosen is None else learner.head_choice.pool_of(learner.num_classes)
-        return cls(learner.encode_incoming, learner.encoded_features(), weight.detach()[:n].clone(),
+        # a choice that reads no top's answer needs no copy of the top (`answers_encoded`)
+        features = learner.encoded_features() if chosen is None or reads_top(chosen[2][:n], pool[0][:n]) else None
+        return cls(learner.encode_incoming, features, weight.detach()[:n].clone(),
                    bias.detach()[:n].clone(), tuple(classes[:n]), learner.version, learner.steps, learner.samples_seen,
                    trained_upto, learner.samples_skipped, learner.samples_thinned, learner.rehearsal_steps,
                    learner.lean_steps, normalize=ncm is not None, streams=ncm is None and learner.streams,
@@ -103,19 +106,31 @@ class Predictor:
     def answers_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`answers` of images already through `encode` (the learner's own step encodes once)."""
         with torch.inference_mode():
-            features = self.features(stored, frozen).float()
-            if self.normalize:
-                features = torch.nn.functional.normalize(features, dim=1)
-            logits = torch.nn.functional.linear(features, self.head_weight, self.head_bias)
-            if self.choice is not None:
+            if self.choice is None:
+                logits = self._head_logits(stored, frozen)
+            else:
                 streaming = torch.softmax(torch.nn.functional.linear(frozen.to(self.head_weight.device).float(),
                                                                      *self.stream_head), 1)
-                logits = serve(streaming, torch.softmax(logits, 1), self.choice, self.pool).clamp_min(1e-30).log()
+                # no class reads the top (before a sleep): the same answers without its pass over the upper stages
+                top = torch.softmax(self._head_logits(stored, frozen), 1) if self.reads_top \
+                    else torch.ones_like(streaming)
+                logits = serve(streaming, top, self.choice, self.pool).clamp_min(1e-30).log()
             if self.calibration is None:
                 probabilities = torch.softmax(logits, 1)
                 return probabilities.cpu(), torch.full((len(logits),), float("nan"))
             probabilities = self.calibration.probabilities(logits)
             return probabilities.cpu(), self.calibration.unknown_score(probabilities, frozen).cpu()
+
+    def _head_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
+        features = self.features(stored, frozen).float()
+        if self.normalize:
+            features = torch.nn.functional.normalize(features, dim=1)
+        return torch.nn.functional.linear(features, self.head_weight, self.head_bias)
+
+    @property
+    def reads_top(self) -> bool:
+        """Under a measured choice, whether its answers read the top's (`learner.heads.head_choice.reads_top`)."""
+        return self.choice is not None and reads_top(self.choice.cpu(), self.pool[0].cpu())
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from torch import nn
 
 from learner.formats.snapshot import INPUT_NAME, OUTPUT_NAME, UNKNOWN_OUTPUT, metadata_props
 from learner.heads.calibration import Calibration
-from learner.heads.head_choice import CANDIDATES, UNFITTED_POOL, serve
+from learner.heads.head_choice import CANDIDATES, UNFITTED_POOL, reads_top, serve
 from learner.methods.base import ContinualLearner
 from learner.networks.backbone import ScratchBackbone, backbone_of
 from service import __version__
@@ -72,16 +72,20 @@ class PixelsToLogits(nn.Module):
             self.register_buffer("live", live[rows].clone())
         # "none of these" reads the frozen features where the learner's does (it has class means of them)
         self.reads_frozen = calibrated is not None and calibrated.means is not None and not frozen_features
-        if self.chooses or self.reads_frozen:
-            self.features = backbone.pixel_module(net, frozen_too=True)
-        else:
-            self.features = backbone.pixel_module(None if frozen_features else net)
         if self.chooses:
             self.stream_head = _rows(*stream_head, rows)
             self.register_buffer("choice", torch.tensor([choice[r] for r in rows], dtype=torch.long))
             weights = torch.as_tensor(pool[0], dtype=torch.float32).broadcast_to((len(choice),))
             self.register_buffer("pool_weight", weights[rows].clone())  # `HeadChoice.pool_of`
             self.pool_temperature = float(pool[1])
+        # a choice that reads no top's answer (before a sleep) leaves the top out of the graph: the same answers
+        self.reads_top = not self.chooses or reads_top(self.choice, self.pool_weight)
+        if not self.reads_top:
+            self.features = backbone.pixel_module(None)
+        elif self.chooses or self.reads_frozen:
+            self.features = backbone.pixel_module(net, frozen_too=True)
+        else:
+            self.features = backbone.pixel_module(None if frozen_features else net)
         self.normalize = normalize
         self.frozen_features = frozen_features
         self.eval()
@@ -96,8 +100,9 @@ class PixelsToLogits(nn.Module):
     def _logits(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The served logits before calibration, and the frozen features where they were computed."""
         if self.chooses:
-            top, frozen = self.features(pixels)
-            trained, streaming = torch.softmax(self.head(top), 1), torch.softmax(self.stream_head(frozen), 1)
+            top, frozen = self.features(pixels) if self.reads_top else (None, self.features(pixels))
+            streaming = torch.softmax(self.stream_head(frozen), 1)
+            trained = torch.softmax(self.head(top), 1) if self.reads_top else torch.ones_like(streaming)
             served = serve(streaming, trained, self.choice, (self.pool_weight, self.pool_temperature))
             return served.clamp_min(1e-30).log(), frozen
         features, frozen = self.features(pixels) if self.reads_frozen else (self.features(pixels), None)

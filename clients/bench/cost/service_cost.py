@@ -137,17 +137,21 @@ def wait_trained(client: ServiceClient, n: int, timeout: float) -> dict:
 
 
 def ingest(service: LocalService, photos: list[tuple[str, bytes]]) -> dict:
+    """The photos into the service, ten a request; what it took, from what it had trained before."""
     with ServiceClient(service.url, timeout=120) as client, ProcessWatch(service.proc.pid) as watch:
+        before = client.status()
         (own0, exports0), t0 = watch.cpu_seconds(), time.perf_counter()
         for i in range(0, len(photos), 10):
             batch = photos[i:i + 10]
             client.add_samples([c for c, _ in batch], [b for _, b in batch])
-        st = wait_trained(client, len(photos), timeout=3600)
+        st = wait_trained(client, before["samples_trained"] + before["lag"]["samples_skipped"] + len(photos),
+                          timeout=3600)
         wall, (own, exports) = time.perf_counter() - t0, watch.cpu_seconds()
         snapshots = len(client.http.get("/snapshots").json()["snapshots"])
-    trained = st["samples_trained"]
+    trained = st["samples_trained"] - before["samples_trained"]
     per_photo = 1000 / max(trained, 1)
-    return {"photos": len(photos), "trained": trained, "skipped": st["lag"]["samples_skipped"],
+    skipped = st["lag"]["samples_skipped"] - before["lag"]["samples_skipped"]
+    return {"photos": len(photos), "trained": trained, "skipped": skipped,
             "wall_s": round(wall, 1), "trained_per_s": round(trained / wall, 2),
             "cpu_ms_per_trained_photo": round(per_photo * (own - own0 + exports - exports0), 1),
             "of_which_learner_process_ms": round(per_photo * (own - own0), 1),

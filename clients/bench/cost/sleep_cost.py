@@ -4,7 +4,8 @@ On camera-sized JPEGs of real photos (`clients.bench.cost.service_cost.camera_ph
 1. ingest awake: the same photos into the default and into a sleeping service (ASER_SLEEP, no idle sleep during it):
    CPU milliseconds a trained photo, photos a second, the learner's peak RSS;
 2. /predict of one photo on the sleeping service, idle, then while it sleeps (POST /sleep over those photos): p50 and
-   p99, the learner's peak RSS during the sleep, the sleep's CPU and updates;
+   p99, the learner's peak RSS during the sleep, the sleep's CPU and updates; then --after-sleep photos of new
+   classes into both services, the sleeping one awake again, its top now served (ingest's cost as in 1.);
 3. on another sleeping service with ASER_MAX_LAG_S=6, fed the same photos, a stream of CIFAR-10 JPEGs at --rate
    samples a second that starts while a sleep is under way: the largest lag /status showed, how long the sleep took
    to yield, and what was trained and skipped.
@@ -94,19 +95,23 @@ def main(argv=None) -> int:
     p.add_argument("--photos-zip", default="../shared/datasets/mini-imagenet-slice.zip")
     p.add_argument("--cifar", default="../shared/datasets/cifar10-jpeg.zip", help="the stream into a sleep")
     p.add_argument("--photos", type=int, default=1500)
+    p.add_argument("--after-sleep", type=int, default=300, help="photos of new classes ingested after the sleep")
     p.add_argument("--predictions", type=int, default=300, help="one-photo predictions, idle and during the sleep")
     p.add_argument("--rate", type=float, default=80.0)
     p.add_argument("--stream-seconds", type=float, default=30.0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    photos = camera_photos(Path(args.photos_zip), args.photos)
+    photos = camera_photos(Path(args.photos_zip), args.photos + args.after_sleep)
+    photos, later = photos[:args.photos], photos[args.photos:]
     blobs = [b for _, b in photos]
-    out = {"photos": len(photos), "ingest": {}}
+    out = {"photos": len(photos), "ingest": {}, "ingest_after_sleep": {}}
     with tempfile.TemporaryDirectory() as tmp:
         default = LocalService(Path(tmp) / "default", {}).start()
         try:
             out["ingest"]["default"] = ingest(default, photos)
             out["predict_default_idle"] = latencies(default.url, blobs, args.predictions, 1)
+            if later:
+                out["ingest_after_sleep"]["default"] = ingest(default, later)
         finally:
             default.stop()
         sleeping = LocalService(Path(tmp) / "sleep", {"ASER_SLEEP": "true", **AWAKE}).start()
@@ -114,6 +119,8 @@ def main(argv=None) -> int:
             out["ingest"]["sleep"] = ingest(sleeping, photos)
             out["predict_idle"] = latencies(sleeping.url, blobs, args.predictions, 1)
             out |= predictions_during_a_sleep(sleeping, blobs, args.predictions)
+            if later:
+                out["ingest_after_sleep"]["sleep"] = ingest(sleeping, later)
         finally:
             sleeping.stop()
         bounded = LocalService(Path(tmp) / "bounded", {"ASER_SLEEP": "true", "ASER_MAX_LAG_S": "6", **AWAKE}).start()
@@ -127,8 +134,11 @@ def main(argv=None) -> int:
         finally:
             bounded.stop()
     ingest_ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest"].items()}
+    after_ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest_after_sleep"].items()}
     out["summary"] = {
         "ingest_cpu_ms_a_photo": ingest_ms, "ingest_ratio": round(ingest_ms["sleep"] / ingest_ms["default"], 3),
+        **({"after_sleep_cpu_ms_a_photo": after_ms,
+            "after_sleep_ratio": round(after_ms["sleep"] / after_ms["default"], 3)} if after_ms else {}),
         "predict_p99_idle_ms": out["predict_idle"]["p99_ms"],
         "predict_p99_during_sleep_ms": out["predict_during_sleep"]["p99_ms"],
         "predict_p99_ratio": round(out["predict_during_sleep"]["p99_ms"] / out["predict_idle"]["p99_ms"], 2),
