@@ -84,10 +84,13 @@ class Serving:
             self._solves += 1
         return self._solved[1]
 
-    def top_probabilities(self, stored: torch.Tensor) -> torch.Tensor:
-        """The serving top's softmax of stored latents, on the CPU."""
+    def top_probabilities(self, stored: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+        """The serving top's softmax of stored latents, on the CPU; `batch_size` a pass (a sleep's held-back
+        samples at once would hold every one's activations)."""
         with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
-            return torch.softmax(self.serving_model(self.to_input(stored)).float(), 1).cpu()
+            parts = [torch.softmax(self.serving_model(self.to_input(chunk)).float(), 1).cpu()
+                     for chunk in stored.split(batch_size)]
+        return torch.cat(parts) if parts else torch.zeros(0, self.num_classes)
 
     def head_probabilities(self, stored: torch.Tensor, frozen: torch.Tensor, with_top: bool = True,
                            top: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

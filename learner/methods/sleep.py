@@ -12,11 +12,11 @@ of plain SGD on class-balanced mini-batches drawn from a `source`:
 from the samples that arrived since the last sleep (REMIND's mix of new and old), which in a class-incremental stream
 is one task's classes: on Split EuroSAT (seed 0) it served 95.01 against balanced's 97.23, 14 of its 22 sleeps undone
 by the held-back samples (docs/results/sleep.md). The budget of a sleep is `epochs` times the samples new since the
-last one (the whole stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is warm-started from the
-current top and ends, under a choice on held-back samples (`learner.heads.held_back`), with the heads chosen again;
-it keeps its weights unless the held-back samples show the served answer worse than before by a paired sign test
-(`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield` is asked between
-steps: a sleep that yields keeps what it trained and owes the rest of its budget to the next.
+last one (the whole stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is
+warm-started from the current top and ends, under a choice on held-back samples (`learner.heads.held_back`), with the
+heads chosen again; it keeps its weights unless the held-back samples show the served answer worse than before by a
+paired sign test (`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield`
+is asked between steps: a sleep that yields keeps what it trained and owes the rest of its budget to the next.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from ..heads.held_back import MIN_LEAD, Z
 from ..memory.latent_store import LatentStore
+from ..networks.frozen_runtime import trim_heap
 
 SOURCES = ("store", "memory", "both")
 KEPT_REPORTS = 1000  # the latest sleeps' reports a learner keeps (a service sleeps for months)
@@ -114,6 +115,7 @@ class Sleeper:
             self._train(learner, report, new, should_yield)
         finally:
             self.current = None
+            trim_heap()  # the batches' activations freed: back to the system, not kept by the C heap
         self.sleeps += 1
         self.updates += report.updates
         self.cpu_seconds += report.cpu_seconds
@@ -140,6 +142,7 @@ class Sleeper:
                 learner._silence_forgotten()
             report.updates += len(y)
             report.steps += 1
+        optimizer.zero_grad(set_to_none=True)  # the last step's gradients: a top's size, not needed awake
         learner.rehearsal_steps += report.steps
         taught = set(report.classes) - self.top_classes
         self.top_classes |= taught  # measured as the top's, taken back if the sleep is undone
