@@ -273,6 +273,23 @@ def test_the_served_answer_on_held_samples_skips_the_tops_pass_only_where_no_cla
     assert torch.allclose(learner.served_logits(stored, frozen), full())
 
 
+def test_between_sleeps_the_served_top_runs_in_onnxruntime_to_pytorchs_answers(eurosat_latents, streamed):
+    """A top trained only in sleeps holds its weights between two: the served copy runs in onnxruntime, built once a
+    version; its probabilities are PyTorch's eager ones. A top that steps awake keeps PyTorch's copy."""
+    from learner.networks.frozen_runtime import TopGraph
+
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=1)
+    assert learner.sleep().kept
+    stored, _, _ = learner.held_back.stacked()
+    served = learner.inference_features()
+    assert isinstance(served, TopGraph) and learner.inference_features() is served  # one build a version
+    with torch.inference_mode():
+        eager = torch.softmax(learner.serving_model.eval()(learner.to_input(stored)), 1)
+    assert torch.allclose(learner.top_probabilities(stored), eager, atol=1e-5)
+    awake = sleeping_learner(eurosat_latents[1], train_every=1)
+    assert not isinstance(awake.inference_features(), TopGraph)
+
+
 def test_once_the_top_serves_the_temperature_prior_is_a_trained_softmaxs(eurosat_latents, streamed):
     """Calibration's prior follows what is served: streaming LDA's logits (which earn a temperature near 5) until a
     sleep has taught the top, then the composition's log-probabilities, already fitted by likelihood (near 1)."""

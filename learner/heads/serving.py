@@ -11,6 +11,7 @@ from copy import deepcopy
 
 import torch
 
+from ..networks.lite0 import POOLED
 from ..networks.reduced_resnet import ReducedResNet18, recompute_bn
 from .bias_correction import fit_logit_bias
 from .head_choice import UNFITTED_POOL, candidates
@@ -87,8 +88,9 @@ class Serving:
     def top_probabilities(self, stored: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
         """The serving top's softmax of stored latents, on the CPU; `batch_size` a pass (a sleep's held-back
         samples at once would hold every one's activations)."""
+        features, head = self.inference_features(self.autocast_dtype), self.serving_model.head
         with torch.inference_mode(), self._autocast():  # the top's BatchNorm is in eval mode either way
-            parts = [torch.softmax(self.serving_model(self.to_input(chunk)).float(), 1).cpu()
+            parts = [torch.softmax(head(features(self.to_input(chunk))).float(), 1).cpu()
                      for chunk in stored.split(batch_size)]
         return torch.cat(parts) if parts else torch.zeros(0, self.num_classes)
 
@@ -223,8 +225,15 @@ class Serving:
             self._folded = (self.version, {})
         cache, net = self._folded[1], self.serving_model if serving else self.model
         if (id(net), dtype) not in cache:
-            cache[(id(net), dtype)] = self.backbone.features(net, dtype)
+            runtime = {"runtime": True} if serving and self._top_in_runtime(dtype) else {}
+            cache[(id(net), dtype)] = self.backbone.features(net, dtype, **runtime)
         return cache[(id(net), dtype)]
+
+    def _top_in_runtime(self, dtype: torch.dtype | None) -> bool:
+        """Whether the served top runs in onnxruntime (`learner.networks.frozen_runtime.TopGraph`): on the CPU in
+        fp32, a top above the pooled cut that trains only in sleeps (its weights hold between two)."""
+        return (self.device.type == "cpu" and dtype is None and self.train_every == 0
+                and getattr(self.backbone, "cut", POOLED) < POOLED)
 
     def predict(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
         return self.logits(images, batch_size, serving).argmax(1)

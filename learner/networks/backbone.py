@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .frozen_runtime import FrozenGraphs
+from .frozen_runtime import FrozenGraphs, TopGraph
 from .lite0 import FEATURE_DIM, NUM_BLOCKS, POOLED, load_lite0
 from .reduced_resnet import ReducedResNet18, fold_batchnorm, scale_pixels
 
@@ -241,12 +241,14 @@ class PretrainedBackbone:
         """Stored latents (or images, encoded first) -> the top's float input."""
         return dequantise(self.encode(x), self.latent_bits)
 
-    def features(self, net: nn.Module, dtype: torch.dtype | None = None):
+    def features(self, net: nn.Module, dtype: torch.dtype | None = None, runtime: bool = False):
         """Eval-mode pooled features of the top `net` (its BatchNorm is always in eval mode): of a
-        copy where the top has weights above the pooled cut, so later steps do not reach them."""
+        copy where the top has weights above the pooled cut, so later steps do not reach them; `runtime`: that copy
+        in onnxruntime (`TopGraph`: float latents on the CPU, for weights that hold a while)."""
         if self.cut == POOLED:
             return net.features  # the identity: nothing a step changes
-        return copy.deepcopy(net).eval().requires_grad_(False).features
+        top = copy.deepcopy(net).eval().requires_grad_(False)
+        return TopGraph(top, self.frozen.latent_shape(self.cut)) if runtime else top.features
 
     def pixel_module(self, net: nn.Module | None, frozen_too: bool = False) -> nn.Module:
         """uint8 pixels -> the features `net` (a top) reads from the stored latents, or with no

@@ -143,6 +143,31 @@ def ingest_after_a_sleep(service: LocalService, first: list[tuple[str, bytes]],
         service.stop()
 
 
+def top_served(args, tmp: Path) -> dict:
+    """4.: the default and a sleeping service, each fed the same tiles around a sleep (`ingest_after_a_sleep`)."""
+    tiles = real_jpegs(Path(args.eurosat), args.before_sleep + args.after_sleep, classes=TILE_CLASSES)
+    return {name: ingest_after_a_sleep(LocalService(tmp / f"tiles-{name}", env), tiles[:args.before_sleep],
+                                       tiles[args.before_sleep:])
+            for name, env in (("default", {}), ("sleep", {"ASER_SLEEP": "true", **AWAKE}))}
+
+
+def _top_served_only(args, argv) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = {"ingest_top_served": top_served(args, Path(tmp))}
+    ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest_top_served"].items()}
+    out["summary"] = {"top_served_cpu_ms_a_tile": ms, "top_served_ratio": round(ms["sleep"] / ms["default"], 3)}
+    return _write(out, args, argv)
+
+
+def _write(out: dict, args, argv) -> int:
+    command = "python -m clients.bench.cost.sleep_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    out |= {"machine": machine_description(torch.device("cpu")), "command": command,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_result(Path(args.out), out)
+    print(out["summary"])
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m clients.bench.cost.sleep_cost", description=__doc__.split("\n")[0])
     p.add_argument("--photos-zip", default="../shared/datasets/mini-imagenet-slice.zip")
@@ -154,8 +179,11 @@ def main(argv=None) -> int:
     p.add_argument("--predictions", type=int, default=300, help="one-photo predictions, idle and during the sleep")
     p.add_argument("--rate", type=float, default=80.0)
     p.add_argument("--stream-seconds", type=float, default=30.0)
+    p.add_argument("--only-top-served", action="store_true", help="4. alone")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.only_top_served:
+        return _top_served_only(args, argv)
     photos = camera_photos(Path(args.photos_zip), args.photos)
     blobs = [b for _, b in photos]
     out = {"photos": len(photos), "ingest": {}}
@@ -183,10 +211,7 @@ def main(argv=None) -> int:
             out["stream_into_a_sleep"] = stream_into_a_sleep(bounded, stream, args.rate)
         finally:
             bounded.stop()
-        tiles = real_jpegs(Path(args.eurosat), args.before_sleep + args.after_sleep, classes=TILE_CLASSES)
-        out["ingest_top_served"] = {name: ingest_after_a_sleep(LocalService(Path(tmp) / f"tiles-{name}", env),
-                                                               tiles[:args.before_sleep], tiles[args.before_sleep:])
-                                    for name, env in (("default", {}), ("sleep", {"ASER_SLEEP": "true", **AWAKE}))}
+        out["ingest_top_served"] = top_served(args, Path(tmp))
     ingest_ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest"].items()}
     after_ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest_top_served"].items()}
     out["summary"] = {
@@ -197,12 +222,7 @@ def main(argv=None) -> int:
         "predict_p99_ratio": round(out["predict_during_sleep"]["p99_ms"] / out["predict_idle"]["p99_ms"], 2),
         "peak_rss_mb_during_sleep": out["peak_rss_mb_during_sleep"],
         "worst_lag_s_streaming_into_a_sleep": out["stream_into_a_sleep"]["worst_lag_s"]}
-    command = "python -m clients.bench.cost.sleep_cost " + " ".join(sys.argv[1:] if argv is None else argv)
-    out |= {"machine": machine_description(torch.device("cpu")), "command": command,
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_result(Path(args.out), out)
-    print(out["summary"])
-    return 0
+    return _write(out, args, argv)
 
 
 if __name__ == "__main__":
