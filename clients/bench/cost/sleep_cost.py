@@ -13,6 +13,7 @@ On camera-sized JPEGs of real photos (`clients.bench.cost.service_cost.camera_ph
    then more tiles of the same classes into both: ingest's cost as in 1., the top served on the sleeping one.
 
     python -m clients.bench.cost.sleep_cost --out results/speed/sleep-cost.json
+    python -m clients.bench.cost.sleep_cost --only-top-served --out results/speed/sleep-cost-top-in-runtime.json  # 4.
 """
 
 from __future__ import annotations
