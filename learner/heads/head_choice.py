@@ -70,9 +70,11 @@ def pooled(slda: torch.Tensor, top: torch.Tensor, weight: float | torch.Tensor, 
     return torch.softmax(temperature * logits, 1)
 
 
-def candidates(slda: torch.Tensor, top: torch.Tensor, pool: tuple[float, float] = UNFITTED_POOL) -> dict:
+def candidates(slda: torch.Tensor, top: torch.Tensor | None, pool: tuple[float, float] = UNFITTED_POOL) -> dict:
     """Every candidate's probabilities [n, classes] from streaming LDA's and the top's; `pool`: the pool's
-    (weight, temperature), the weight one for every class or one a class (`HeadChoice.pool_of`)."""
+    (weight, temperature), the weight one for every class or one a class (`HeadChoice.pool_of`). `top` None: not
+    computed, for a composition that reads none of it (`reads_top`); all ones stand in for it."""
+    top = torch.ones_like(slda) if top is None else top
     return {"slda": slda, "top": top, "mix": (slda + top) / 2, "pool": pooled(slda, top, *pool)}
 
 
@@ -95,7 +97,7 @@ def stack(answers: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack([answers[h] for h in CANDIDATES])
 
 
-def serve(slda: torch.Tensor, top: torch.Tensor, choice: torch.Tensor,
+def serve(slda: torch.Tensor, top: torch.Tensor | None, choice: torch.Tensor,
           pool: tuple[float, float] = UNFITTED_POOL) -> torch.Tensor:
     """The served probabilities from streaming LDA's and the top's, each class from its head (`choice`, indices
     into CANDIDATES): what a predictor and the ONNX snapshot compute."""

@@ -102,7 +102,7 @@ class Serving:
         probabilities already computed (`held_top_probabilities`)."""
         slda = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
         if top is None:
-            top = self.top_probabilities(stored) if with_top else torch.ones_like(slda)
+            top = self.top_probabilities(stored) if with_top else None
         return candidates(slda, top, self.head_choice.pool_of(self.num_classes) if self.head_choice is not None
                           else UNFITTED_POOL)
 

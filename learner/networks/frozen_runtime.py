@@ -137,8 +137,7 @@ class FrozenGraphs:
             return latent.float()
         session = self._session("upper", lambda: _Upper(self.frozen, self.cut),
                                 lambda: self.frozen.latent_shape(self.cut), 1)
-        return _joined([session.run(None, {"x": chunk.float().contiguous().numpy()})[0]
-                        for chunk in latent.split(RUN_BATCH)])
+        return _run_latents(session, latent)
 
     def _session(self, key, module, shape, outputs: int):
         """The session `key`, built at first use from `module()` on inputs of `shape()` a sample."""
@@ -179,8 +178,13 @@ class TopGraph:
         trim_heap()
 
     def __call__(self, latent: torch.Tensor) -> torch.Tensor:
-        return _joined([self.session.run(None, {"x": chunk.float().contiguous().numpy()})[0]
-                        for chunk in latent.split(RUN_BATCH)])
+        return _run_latents(self.session, latent)
+
+
+def _run_latents(session, latent: torch.Tensor) -> torch.Tensor:
+    """A one-output session over float latents, RUN_BATCH a run."""
+    return _joined([session.run(None, {"x": chunk.float().contiguous().numpy()})[0]
+                    for chunk in latent.split(RUN_BATCH)])
 
 
 def _joined(arrays: list[np.ndarray]) -> torch.Tensor:

@@ -112,8 +112,7 @@ class Predictor:
                 streaming = torch.softmax(torch.nn.functional.linear(frozen.to(self.head_weight.device).float(),
                                                                      *self.stream_head), 1)
                 # no class reads the top (before a sleep): the same answers without its pass over the upper stages
-                top = torch.softmax(self._head_logits(stored, frozen), 1) if self.reads_top \
-                    else torch.ones_like(streaming)
+                top = torch.softmax(self._head_logits(stored, frozen), 1) if self.reads_top else None
                 logits = serve(streaming, top, self.choice, self.pool).clamp_min(1e-30).log()
             if self.calibration is None:
                 probabilities = torch.softmax(logits, 1)
@@ -129,8 +128,9 @@ class Predictor:
 
     @property
     def reads_top(self) -> bool:
-        """Under a measured choice, whether its answers read the top's (`learner.heads.head_choice.reads_top`)."""
-        return self.choice is not None and reads_top(self.choice.cpu(), self.pool[0].cpu())
+        """Under a measured choice, whether its answers read the top's (`learner.heads.head_choice.reads_top`):
+        `from_learner` keeps the top's features only then."""
+        return self.choice is not None and self.features is not None
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class PixelsToLogits(nn.Module):
         if self.chooses:
             top, frozen = self.features(pixels) if self.reads_top else (None, self.features(pixels))
             streaming = torch.softmax(self.stream_head(frozen), 1)
-            trained = torch.softmax(self.head(top), 1) if self.reads_top else torch.ones_like(streaming)
+            trained = torch.softmax(self.head(top), 1) if self.reads_top else None
             served = serve(streaming, trained, self.choice, (self.pool_weight, self.pool_temperature))
             return served.clamp_min(1e-30).log(), frozen
         features, frozen = self.features(pixels) if self.reads_frozen else (self.features(pixels), None)
