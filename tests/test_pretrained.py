@@ -49,6 +49,15 @@ def test_the_imagenet_weights_answer_like_an_imagenet_classifier():
     assert (predicted == labels).float().mean() >= 0.30
 
 
+@pytest.mark.parametrize("size", [32, 97, 160])
+def test_the_latent_shape_by_arithmetic_is_the_forwards(size):
+    frozen = load_lite0(input_size=size)
+    pixels = torch.zeros(1, 3, size, size, dtype=torch.uint8)
+    with torch.no_grad():
+        for cut in range(POOLED + 1):
+            assert frozen.latent_shape(cut) == tuple(frozen.lower(pixels, cut).shape[1:]), cut
+
+
 @pytest.mark.parametrize("cut", [11, POOLED])
 def test_onnxruntime_runs_the_frozen_part_as_pytorch_does_on_real_photos(cut):
     # the learner's frozen part runs in onnxruntime (learner.networks.frozen_runtime); PyTorch's eager forward is the reference

@@ -5,6 +5,8 @@ preempts it, a SIGKILL mid-sleep loses nothing."""
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 import time
 
 import httpx
@@ -114,6 +116,34 @@ def test_awake_the_pool_is_fitted_again_as_streaming_lda_learns_young_classes(eu
     probabilities = learner.head_probabilities(stored, frozen, top=top)
     weighed = learner.head_choice.weighed(learner.num_classes)
     assert learner.head_choice.pool == fit_pool(probabilities["slda"], probabilities["top"], labels, weighed)
+
+
+LEAN_PROCESS = """
+import sys, torch
+from learner import make_learner
+from learner.data import load_dataset, task_batches
+from learner.methods.sleep import SleepConfig
+from learner.networks.backbone import make_backbone
+data = load_dataset("eurosat", sys.argv[1], train_per_class=30, test_per_class=1)
+backbone = make_backbone("lite0", data.image_shape, 64, 11, 16)
+learners = [make_learner("cb-sv-duel", 4, mem_size=50, loss="ace", lr=0.01, ema_decay=0.99, seed=0, backbone=backbone,
+                         serving_head="slda", choose_head="held-back", head_prior="pool", train_every=0,
+                         sleep=SleepConfig(epochs=1)) for _ in range(2)]
+for x, y in task_batches(data, [0, 1, 2, 3], 10, torch.Generator().manual_seed(0)):
+    learners[0].observe(x, y)
+assert learners[0].sleep().updates > 0
+learners[1].load_state_dict(learners[0].state_dict())  # a checkpoint's round trip
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_a_learner_whose_top_trains_only_in_sleeps_never_imports_torchs_compiler():
+    """torch.optim imports torch._dynamo (71 MB kept) at its first call: awake such a learner builds no optimizer, and
+    a sleep steps by hand (the same weights to the bit: checked against torch.optim.SGD when it changed)."""
+    run = subprocess.run([sys.executable, "-c", LEAN_PROCESS, str(EUROSAT_ZIP)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == "[]", run.stdout
 
 
 def test_a_sleep_that_wrecks_the_top_never_serves_worse_on_the_held_back_samples(eurosat_latents, streamed):

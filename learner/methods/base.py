@@ -97,7 +97,9 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         # torch.compile fuses the training step's elementwise work (BatchNorm, ReLU, adds); it
         # costs ~30 s of compilation at the first step, so it is an option
         self.train_forward = torch.compile(self.model) if compile else self.model
-        self.optimizer = self._make_optimizer()
+        # built at the first step (`optimizer`): torch.optim's first call imports torch._dynamo (71 MB resident,
+        # kept), which a learner whose top trains only in sleeps (a plain step there) never needs
+        self._optimizer: torch.optim.Optimizer | None = None
         # serving weights: an average of the trained ones (`learner.heads.ema`), or the trained ones
         self.ema = WeightAverage(self.model, ema_decay) if ema_decay else None
         if serving_bn not in SERVING_BN:
@@ -515,6 +517,12 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         with torch.no_grad(), self._autocast():
             return self.averaged_model(self.to_input(images)).float()
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            self._optimizer = self._make_optimizer()
+        return self._optimizer
+
     def _make_optimizer(self, carry_from: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
         """A new optimizer over the model's parameters; `carry_from`'s state goes on for those it had (a head
         that grew has new ones: only their moments start afresh)."""
@@ -566,7 +574,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                              f"(the backbone setting must match the data it resumes)")
         self.ensure_classes(state["num_classes"])
         self.model.load_state_dict(state["model"])
-        self.optimizer = self._make_optimizer()
+        self._optimizer = None
         saved_optimizer = state.get("optimizer")
         if saved_optimizer and saved_optimizer["kind"] == self.optimizer_name:  # another kind starts afresh
             self.optimizer.load_state_dict(saved_optimizer["state"])

@@ -19,7 +19,8 @@ class HeadClasses:
             self.model.grow(n)
             if self.ema is not None:
                 self.ema.grow(self.model)
-            self.optimizer = self._make_optimizer(carry_from=self.optimizer)
+            if self._optimizer is not None:
+                self._optimizer = self._make_optimizer(carry_from=self._optimizer)
             self.version += 1
             if self._served_copy is not None:  # the served copy answers the new classes too
                 self.refresh_serving()

@@ -127,22 +127,22 @@ class Sleeper:
         budget = report.budget
         right_before = _served_right_on_held(learner)
         saved = _serving_state(learner)
-        optimizer = torch.optim.SGD(learner.model.parameters(), lr=self.config.lr)
+        params = [p for p in learner.model.parameters() if p.requires_grad]
         learner.model.train()
         while report.updates < budget:
             if should_yield is not None and should_yield():
                 report.yielded, self.owed = True, budget - report.updates
                 break
             x, y = self._draw(learner, min(self.config.batch_size, budget - report.updates), new)
-            optimizer.zero_grad(set_to_none=True)
+            learner.model.zero_grad(set_to_none=True)
             F.cross_entropy(learner.forward_logits(x), y).backward()
-            optimizer.step()
+            _sgd_step(params, self.config.lr)
             learner.weights_changed()
             if learner.forgotten:
                 learner._silence_forgotten()
             report.updates += len(y)
             report.steps += 1
-        optimizer.zero_grad(set_to_none=True)  # the last step's gradients: a top's size, not needed awake
+        learner.model.zero_grad(set_to_none=True)  # the last step's gradients: a top's size, not needed awake
         learner.rehearsal_steps += report.steps
         taught = set(report.classes) - self.top_classes
         self.top_classes |= taught  # measured as the top's, taken back if the sleep is undone
@@ -194,6 +194,15 @@ class Sleeper:
         self.top_classes.update(state["top_classes"])
         self.sleeps, self.updates, self.cpu_seconds = state["sleeps"], state["updates"], state["cpu_seconds"]
         self.reports = list(state["reports"])
+
+
+@torch.no_grad()
+def _sgd_step(params: list[torch.Tensor], lr: float) -> None:
+    """Plain SGD, torch.optim.SGD's update without momentum (p - lr g) by hand: its first step imports
+    torch._dynamo, 71 MB kept in a process that never compiles."""
+    for p in params:
+        if p.grad is not None:
+            p.add_(p.grad, alpha=-lr)
 
 
 def shown_worse(before: torch.Tensor, after: torch.Tensor) -> bool:

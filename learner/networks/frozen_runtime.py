@@ -39,8 +39,8 @@ from torch import nn
 
 from .lite0 import POOLED, Lite0, resize_pixels
 
-RUN_BATCH = 10  # images a run (the stream's batch): onnxruntime's arena keeps the largest run's buffers (about 60 MB
-# at 10 images of 160 px, 200 at 32), at no cost in speed
+RUN_BATCH = 10  # images a run (the stream's batch): the lower part's arena keeps the largest run's buffers (about 60
+# MB at 10 images of 160 px, 200 at 32), at no cost in speed
 
 
 class _Lower(nn.Module):
@@ -86,8 +86,9 @@ def onnx_graph(module: nn.Module, example: torch.Tensor, outputs: int) -> bytes:
     return buffer.getvalue()
 
 
-def session_of(graph: bytes):
-    """An onnxruntime session of `graph`, on as many threads as torch uses now."""
+def session_of(graph: bytes, arena: bool = True):
+    """An onnxruntime session of `graph`, on as many threads as torch uses now; `arena` False: no buffers kept
+    between runs (a session that runs seldom, or beside others)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -98,6 +99,7 @@ def session_of(graph: bytes):
     # a small device's memory: no planned buffers kept between runs, no repacked copy of the weights (40 MB
     # less at 160 px, the same speed here)
     options.enable_mem_pattern = False
+    options.enable_cpu_mem_arena = arena
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.log_severity_level = 3
     return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
@@ -144,7 +146,10 @@ class FrozenGraphs:
         if key not in self._sessions:
             with self._lock:
                 if key not in self._sessions:
-                    self._sessions[key] = session_of(onnx_graph(module(), torch.zeros(2, *shape()), outputs))
+                    # an arena for the part every image runs (without it 2-5% more CPU here); none for the
+                    # stored latents' passes, which a sleep's top adds (docs/results/sleep.md)
+                    graph = onnx_graph(module(), torch.zeros(2, *shape()), outputs)
+                    self._sessions[key] = session_of(graph, arena=key != "upper")
                     trim_heap()  # the trace's garbage (40 MB at 160 px) back to the system
         return self._sessions[key]
 
@@ -174,7 +179,7 @@ class TopGraph:
     the weights hold for many passes: a top trained only in sleeps, between two of them."""
 
     def __init__(self, top: nn.Module, latent_shape: tuple[int, ...]):
-        self.session = session_of(onnx_graph(_TopFeatures(top), torch.zeros(2, *latent_shape), 1))
+        self.session = session_of(onnx_graph(_TopFeatures(top), torch.zeros(2, *latent_shape), 1), arena=False)
         trim_heap()
 
     def __call__(self, latent: torch.Tensor) -> torch.Tensor:

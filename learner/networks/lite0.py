@@ -24,8 +24,8 @@ torch.Size([1, 192, 3, 3])
 
 from __future__ import annotations
 
-import copy
 import hashlib
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -102,12 +102,17 @@ class Lite0(nn.Module):
         """uint8 images -> ImageNet logits [n, 1000] (the check that the weights loaded right)."""
         return self.classifier(self.upper(self.lower(images, 0), 0))
 
-    def latent_shape(self, cut: int) -> tuple[int, int, int]:
-        """Shapes only: on the meta device, so no kernel runs (a forward here would map 30 MB of oneDNN's
-        code into a process whose frozen part runs in onnxruntime)."""
-        with torch.no_grad():
-            probe = torch.zeros(1, 3, self.input_size, self.input_size, dtype=torch.uint8, device="meta")
-            return tuple(copy.deepcopy(self).to("meta").lower(probe, cut).shape[1:])
+    def latent_shape(self, cut: int) -> tuple[int, ...]:
+        """Shapes only, by arithmetic: TensorFlow's "same" padding gives ceil(side / stride) a layer. No forward:
+        a CPU one maps 30 MB of oneDNN's code into a process whose frozen part runs in onnxruntime, one on the
+        meta device imports 800 of torch's modules (70 MB, kept)."""
+        if cut == POOLED:
+            return (FEATURE_DIM,)
+        side = math.ceil(self.input_size / self.stem[0].stride[0])
+        for block in self.blocks[:cut]:
+            side = math.ceil(side / block._depthwise_conv.stride[0])
+        channels = self.blocks[cut]._block_args.input_filters if cut < NUM_BLOCKS else self.head[0].in_channels
+        return (channels, side, side)
 
 
 def load_lite0(input_size: int = 128) -> Lite0:

@@ -14,11 +14,13 @@ On camera-sized JPEGs of real photos (`clients.bench.cost.service_cost.camera_ph
 
     python -m clients.bench.cost.sleep_cost --out results/speed/sleep-cost.json
     python -m clients.bench.cost.sleep_cost --only-top-served --out results/speed/sleep-cost-top-in-runtime.json  # 4.
+    python -m clients.bench.cost.sleep_cost --only-sleep --out results/speed/sleep-cost-sleep.json  # 2., ingest first
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -29,6 +31,7 @@ import torch
 
 from clients.api import ServiceClient
 from clients.bench.cost.service_cost import ProcessWatch, camera_photos, ingest, latencies, wait_trained
+from clients.bench.cost.speed import ALLOCATOR_ENV
 from clients.bench.live.local_service import LocalService, real_jpegs
 from clients.bench.machine import machine_description
 from clients.bench.results import write_result
@@ -152,6 +155,28 @@ def top_served(args, tmp: Path) -> dict:
             for name, env in (("default", {}), ("sleep", {"ASER_SLEEP": "true", **AWAKE}))}
 
 
+def sleeping_service(photos: list[tuple[str, bytes]], args, tmp: Path) -> dict:
+    """1. and 2. on a sleeping service: its ingest, predictions idle and during a sleep, the learner's RSS."""
+    blobs = [b for _, b in photos]
+    sleeping = LocalService(tmp / "sleep", {"ASER_SLEEP": "true", **AWAKE}).start()
+    try:
+        out = {"ingest": ingest(sleeping, photos), "predict_idle": latencies(sleeping.url, blobs, args.predictions, 1)}
+        return out | predictions_during_a_sleep(sleeping, blobs, args.predictions)
+    finally:
+        sleeping.stop()
+
+
+def _sleep_only(args, argv) -> int:
+    photos = camera_photos(Path(args.photos_zip), args.photos)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = {"photos": len(photos)} | sleeping_service(photos, args, Path(tmp))
+    p99 = {k: out[f"predict_{k}"]["p99_ms"] for k in ("idle", "during_sleep")}
+    out["summary"] = {"peak_rss_mb_ingest": out["ingest"]["peak_rss_mb"]["learner_mb"],
+                      "peak_rss_mb_during_sleep": out["peak_rss_mb_during_sleep"],
+                      "predict_p99_ratio": round(p99["during_sleep"] / p99["idle"], 2)}
+    return _write(out, args, argv)
+
+
 def _top_served_only(args, argv) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = {"ingest_top_served": top_served(args, Path(tmp))}
@@ -163,6 +188,7 @@ def _top_served_only(args, argv) -> int:
 def _write(out: dict, args, argv) -> int:
     command = "python -m clients.bench.cost.sleep_cost " + " ".join(sys.argv[1:] if argv is None else argv)
     out |= {"machine": machine_description(torch.device("cpu")), "command": command,
+            "allocator": {k: v for k, v in os.environ.items() if k in ALLOCATOR_ENV},  # the services inherit it
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_result(Path(args.out), out)
     print(out["summary"])
@@ -180,11 +206,15 @@ def main(argv=None) -> int:
     p.add_argument("--predictions", type=int, default=300, help="one-photo predictions, idle and during the sleep")
     p.add_argument("--rate", type=float, default=80.0)
     p.add_argument("--stream-seconds", type=float, default=30.0)
-    p.add_argument("--only-top-served", action="store_true", help="4. alone")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--only-top-served", action="store_true", help="4. alone")
+    only.add_argument("--only-sleep", action="store_true", help="1. and 2. on the sleeping service alone")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.only_top_served:
         return _top_served_only(args, argv)
+    if args.only_sleep:
+        return _sleep_only(args, argv)
     photos = camera_photos(Path(args.photos_zip), args.photos)
     blobs = [b for _, b in photos]
     out = {"photos": len(photos), "ingest": {}}
@@ -195,13 +225,9 @@ def main(argv=None) -> int:
             out["predict_default_idle"] = latencies(default.url, blobs, args.predictions, 1)
         finally:
             default.stop()
-        sleeping = LocalService(Path(tmp) / "sleep", {"ASER_SLEEP": "true", **AWAKE}).start()
-        try:
-            out["ingest"]["sleep"] = ingest(sleeping, photos)
-            out["predict_idle"] = latencies(sleeping.url, blobs, args.predictions, 1)
-            out |= predictions_during_a_sleep(sleeping, blobs, args.predictions)
-        finally:
-            sleeping.stop()
+        sleep = sleeping_service(photos, args, Path(tmp))
+        out["ingest"]["sleep"] = sleep.pop("ingest")
+        out |= sleep
         bounded = LocalService(Path(tmp) / "bounded", {"ASER_SLEEP": "true", "ASER_MAX_LAG_S": "6", **AWAKE}).start()
         try:
             with ServiceClient(bounded.url, timeout=120) as client:  # what a sleep has to rehearse
