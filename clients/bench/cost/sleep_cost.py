@@ -14,7 +14,7 @@ On camera-sized JPEGs of real photos (`clients.bench.cost.service_cost.camera_ph
 
     python -m clients.bench.cost.sleep_cost --out results/speed/sleep-cost.json
     python -m clients.bench.cost.sleep_cost --only-top-served --out results/speed/sleep-cost-top-in-runtime.json  # 4.
-    python -m clients.bench.cost.sleep_cost --only-sleep --out results/speed/sleep-cost-sleep.json  # 2., ingest first
+    python -m clients.bench.cost.sleep_cost --only-sleep --out results/speed/sleep-cost-lean.json  # 1. and 2., asleep
 """
 
 from __future__ import annotations
