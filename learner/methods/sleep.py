@@ -127,7 +127,7 @@ class Sleeper:
         budget = report.budget
         right_before = _served_right_on_held(learner)
         saved = _serving_state(learner)
-        params = [p for p in learner.model.parameters() if p.requires_grad]
+        params = list(learner.model.parameters())  # those without a gradient are skipped
         learner.model.train()
         while report.updates < budget:
             if should_yield is not None and should_yield():

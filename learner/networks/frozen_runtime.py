@@ -146,7 +146,7 @@ class FrozenGraphs:
         if key not in self._sessions:
             with self._lock:
                 if key not in self._sessions:
-                    # an arena for the part every image runs (without it 2-5% more CPU here); none for the
+                    # an arena for the part every image runs (without it 1.6-5% more CPU here); none for the
                     # stored latents' passes, which a sleep's top adds (docs/results/sleep.md)
                     graph = onnx_graph(module(), torch.zeros(2, *shape()), outputs)
                     self._sessions[key] = session_of(graph, arena=key != "upper")
