@@ -15,6 +15,17 @@ MINI_ZIP = DATASETS / "mini-imagenet-slice.zip"
 EUROSAT_ZIP = DATASETS / "eurosat-rgb.zip"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`scripts/test.sh` runs two workers) the workers share the cores: one thread each, and the
+    services and programs they start likewise (torch reads OMP_NUM_THREADS as it starts). Two threads each would
+    oversubscribe the cores, where OpenMP's threads spin at every barrier."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("decoded")

@@ -168,6 +168,19 @@ def ruled(eurosat_latents):
     return learner, samples
 
 
+def test_a_resumed_learner_still_counts_what_the_rule_kept_out(ruled, eurosat_latents):
+    """The count of samples kept out goes on from a checkpoint (a resumed benchmark run reported only its own)."""
+    learner, _ = ruled
+    from learner.methods.sleep import SleepConfig
+
+    _, backbone = eurosat_latents
+    resumed = make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
+                           lr=0.01, train_every=0, frozen_values=True, suspect_rule=True,
+                           sleep=SleepConfig(source="both", store_capacity=2000))
+    resumed.load_state_dict(learner.state_dict())
+    assert resumed.suspects_kept_out == learner.suspects_kept_out > 0 and resumed.kept_out == learner.kept_out
+
+
 def test_a_sample_the_rule_kept_out_comes_in_when_relabelled(ruled, eurosat_latents):
     """The suspect rule keeps a sample out of streaming LDA and remembers its key: relabelled, it joins its new class
     (nothing is taken from the old one, which never had it); forgotten, nothing moves."""

@@ -43,7 +43,8 @@ def training_channels_last(device: torch.device, autocast_dtype: torch.dtype | N
 # a pass of the averaged weights over the replay memory (`ContinualLearner.refresh_serving`)
 SERVING_BN = ("average", "memory")
 # what a learner counts, kept in its state
-COUNTERS = ("steps", "samples_seen", "samples_skipped", "samples_thinned", "rehearsal_steps", "lean_steps")
+COUNTERS = ("steps", "samples_seen", "samples_skipped", "samples_thinned", "rehearsal_steps", "lean_steps",
+            "suspects_kept_out")
 # the weights version the frozen network's features are cached under: above any trained one, so that features of
 # another space left in the memory's cache read as stale, and never stale themselves
 FROZEN_SPACE_VERSION = 2**62
