@@ -150,16 +150,20 @@ def test_the_suspect_rule_flags_wrong_labels_far_more_often_than_right_ones(nois
     assert wrong > 0.45 and right < 0.15 and wrong > 5 * right  # measured: 0.62 and 0.04
 
 
+def ruled_learner(backbone):
+    from learner.methods.sleep import SleepConfig
+
+    return make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
+                        lr=0.01, train_every=0, frozen_values=True, suspect_rule=True,
+                        sleep=SleepConfig(source="both", store_capacity=2000))
+
+
 @pytest.fixture(scope="module")
 def ruled(eurosat_latents):
     """A learner under the suspect rule that has seen the noisy stream, with a sleep that rehearses from its memory
     and its latent store alike, and each sample by key: (its pixels, the label given, the true one)."""
-    from learner.methods.sleep import SleepConfig
-
     data, backbone = eurosat_latents
-    learner = make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
-                           lr=0.01, train_every=0, frozen_values=True, suspect_rule=True,
-                           sleep=SleepConfig(source="both", store_capacity=2000))
+    learner = ruled_learner(backbone)
     samples = {}
     for x, y, true, keys in stream(data, 0.2):
         learner.observe(x, y, keys=keys)
@@ -171,12 +175,7 @@ def ruled(eurosat_latents):
 def test_a_resumed_learner_still_counts_what_the_rule_kept_out(ruled, eurosat_latents):
     """The count of samples kept out goes on from a checkpoint (a resumed benchmark run reported only its own)."""
     learner, _ = ruled
-    from learner.methods.sleep import SleepConfig
-
-    _, backbone = eurosat_latents
-    resumed = make_learner("cb-sv-duel", len(CLASSES), mem_size=200, backbone=backbone, serving_head="slda", seed=0,
-                           lr=0.01, train_every=0, frozen_values=True, suspect_rule=True,
-                           sleep=SleepConfig(source="both", store_capacity=2000))
+    resumed = ruled_learner(eurosat_latents[1])
     resumed.load_state_dict(learner.state_dict())
     assert resumed.suspects_kept_out == learner.suspects_kept_out > 0 and resumed.kept_out == learner.kept_out
 
