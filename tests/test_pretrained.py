@@ -77,6 +77,27 @@ def test_onnxruntime_runs_the_frozen_part_as_pytorch_does_on_real_photos(cut):
                        backbone.frozen.classifier(reference_features).argmax(1))
 
 
+def test_the_frozen_graphs_are_exported_in_a_child_once_and_then_read_from_the_file_cache(tmp_path, monkeypatch):
+    """The exporter (torch.onnx, onnx, the trace's garbage: 40 MB kept at 160 px) stays out of the learner's process:
+    a child exports, the file cache keeps the graph for the next process, and a damaged file is exported again."""
+    from learner.networks.frozen_runtime import FrozenGraphs, graph_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    images, _ = mini_imagenet_sample(per_class=1)
+    frozen = load_lite0(input_size=64)
+    with torch.no_grad():
+        reference = frozen.lower(images, 11)
+    latent, _ = FrozenGraphs(frozen, 11).lower(images, features=False)
+    assert torch.allclose(latent, reference, rtol=1e-3, atol=1e-3)
+    (cached,) = graph_cache_dir().glob("*.onnx")
+    graph = cached.read_bytes()
+    assert cached.parent == tmp_path / "aser" / "graphs" and len(graph) > 1_000_000
+    assert FrozenGraphs(frozen, 11).lower(images[:5], features=False)[0].equal(latent[:5])  # from the file
+    cached.write_bytes(graph[:1000])
+    assert torch.equal(FrozenGraphs(frozen, 11).lower(images[:5], features=False)[0], latent[:5])
+    assert cached.read_bytes() == graph  # exported again: the same bytes
+
+
 @pytest.fixture(scope="module")
 def stream(cifar10_slice):
     """Ten batches of ten CIFAR-10 training images over four classes."""

