@@ -13,5 +13,5 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
 # two workers (pytest-xdist), one thread each (tests/conftest.py), a module to a worker: its fixtures' services start
-# once; on this project's 2-core machine 51 minutes against 102 in one process (docs/benchmark.md); -n 0 runs in one
+# once; on this project's 2-core machine 54 minutes against 102 in one process (docs/benchmark.md); -n 0 runs in one
 exec .venv/bin/python -m pytest -q -n 2 --dist loadscope "$@"
