@@ -85,6 +85,15 @@ def test_a_noisy_stream_scores_the_suspects_against_its_flips_and_pairs_flip_eac
         assert noise["mode"] == mode and noise["sent"] == 200 and 30 < noise["flipped"] < 90  # a 30% share of 200
         assert 0 <= noise["precision_at_100"] <= 1 and noise["memory"] == 30 and "final_accuracy_corrected" in noise
     assert "noise 0.3 pair" in run_label(results["pair"]) and "pair" not in run_label(results["symmetric"])
+    # under sleep the relabels are new to the top: the idle device sleeps on them before the last measure
+    slept = tmp_path / "slept.json"
+    assert run(tmp_path, cache_dir, "cb-sv-duel", slept, "--seed", "0", "--backbone", "lite0", "--input-size", "64",
+               "--cut", "11", "--serving-head", "slda", "--choose-head", "held-back", "--lr", "0.01", "--train-every",
+               "0", "--sleep-every", "100", "--sleep-epochs", "1", "--label-noise", "0.3") == 0
+    noise = json.loads(slept.read_text())["label_noise"]
+    assert noise["stream_relabelled"] > 0 and "final_accuracy_corrected_slept" in noise
+    # a sample-update for each relabel the store held (one epoch; a held-back sample is not in the store)
+    assert 0 < noise["sleep_on_corrections"]["updates"] <= noise["stream_relabelled"] + noise["corrected"]
 
     learner = make_learner("slda", 10, backbone=make_backbone("lite0", cifar10_slice.image_shape, 64))
     nearest = nearest_classes(learner, cifar10_slice)

@@ -111,8 +111,12 @@ def test_the_sleep_store_rehearses_a_corrected_sample_under_its_new_label_or_not
     outside = [k for k in given if learner.buffer.slot_of(k) is None]
     relabelled, forgotten = outside[:2]
     new = (given[relabelled] + 1) % len(CLASSES)
+    learner.sleeper.mark = learner.sleeper.store.arrived  # as after a sleep: nothing new
+    assert learner.sleeper.new_samples == 0 and learner.sleeper.budget() == 0
     assert learner.correct_sample(relabelled, given[relabelled], new).in_sleep_store  # no pixels given
     assert learner.correct_sample(forgotten, given[forgotten], None).in_sleep_store
+    # the relabel is new to the top: the next sleep has a budget for it though nothing arrived; the drop is not
+    assert learner.sleeper.new_samples == 1 and learner.sleeper.budget() == learner.sleeper.config.epochs
     slot_of = {k: i for i, k in enumerate(store.keys[:len(store)].tolist())}
     assert int(store.labels[slot_of[relabelled]]) == new and forgotten not in slot_of
     expected = {**given, relabelled: new}
@@ -122,6 +126,7 @@ def test_the_sleep_store_rehearses_a_corrected_sample_under_its_new_label_or_not
                          lr=0.01, train_every=0, sleep=SleepConfig(store_capacity=10_000))
     again.load_state_dict(learner.state_dict())
     assert torch.equal(again.sleeper.store.keys[:len(store)], store.keys[:len(store)])
+    assert again.sleeper.new_samples == 1
     assert not again.correct_sample(forgotten, given[forgotten], None).in_sleep_store  # gone: nothing to do
 
 

@@ -68,7 +68,7 @@ class SampleCorrections:
             self.confirmed.add(key)
             return self._admit_kept_out(key, old_class, stored) if key in self.kept_out else Correction()
         sleeper = getattr(self, "sleeper", None)
-        in_store = sleeper is not None and sleeper.store.correct(key, new_class)  # first: a full disk changes nothing
+        in_store = sleeper is not None and sleeper.correct(key, new_class)  # first: a full disk changes nothing
         buffer = getattr(self, "buffer", None)
         slot, stored = self._stored_form(key, stored)
         if stored is None:

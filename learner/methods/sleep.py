@@ -86,6 +86,7 @@ class Sleeper:
         self.store = store if store is not None else LatentStore(config.store_capacity, stored_shape, eight_bit, seed)
         self.generator = torch.Generator().manual_seed(seed + 7)
         self.mark = 0  # the store's arrivals when the last sleep began
+        self.relabelled = 0  # store samples relabelled since: new to the top as much as an arrival is
         self.owed = 0  # sample-updates a yielded sleep left
         # classes a kept sleep has trained the top on; changed in place only, since a head choice may read this very set
         self.top_classes: set[int] = set()
@@ -99,7 +100,8 @@ class Sleeper:
 
     @property
     def new_samples(self) -> int:
-        return self.store.arrived - self.mark
+        """Samples the top has not slept on: arrived, or relabelled in the store, since the last sleep began."""
+        return self.store.arrived - self.mark + self.relabelled
 
     def budget(self) -> int:
         return int(round(self.config.epochs * self.new_samples)) + self.owed
@@ -108,7 +110,7 @@ class Sleeper:
         budget = self.budget() if budget is None else budget
         report = SleepReport(budget=budget, classes=sorted(self.store.class_counts()))
         new = self.store.arrived_after(self.mark)
-        self.mark, self.owed = self.store.arrived, 0
+        self.mark, self.owed, self.relabelled = self.store.arrived, 0, 0
         if not len(self.store) or budget <= 0:
             return report
         if should_yield is not None and should_yield():  # owed whole, nothing measured
@@ -186,19 +188,28 @@ class Sleeper:
             parts.append((latents.to(learner.device, learner.backbone.stored_dtype), labels.to(learner.device)))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
+    def correct(self, key: int, new_class: int | None) -> bool:
+        """Relabel (None: drop) the stored sample `key`; whether the store held it. A relabel counts as new: the next
+        sleep has a budget for it, even where nothing else arrives (a person correcting what the device holds)."""
+        found = self.store.correct(key, new_class)
+        if found and new_class is not None:
+            self.relabelled += 1
+        return found
+
     def forget(self, class_id: int) -> None:
         self.store.forget_class(class_id)
         self.top_classes.discard(class_id)
 
     def state_dict(self) -> dict:
         return {"store": self.store.state_dict(), "generator": self.generator.get_state(), "mark": self.mark,
-                "owed": self.owed, "top_classes": sorted(self.top_classes), "sleeps": self.sleeps,
-                "updates": self.updates, "cpu_seconds": self.cpu_seconds, "reports": list(self.reports)}
+                "owed": self.owed, "relabelled": self.relabelled, "top_classes": sorted(self.top_classes),
+                "sleeps": self.sleeps, "updates": self.updates, "cpu_seconds": self.cpu_seconds,
+                "reports": list(self.reports)}
 
     def load_state_dict(self, state: dict) -> None:
         self.store.load_state_dict(state["store"])
         self.generator.set_state(state["generator"])
-        self.mark, self.owed = state["mark"], state["owed"]
+        self.mark, self.owed, self.relabelled = state["mark"], state["owed"], state.get("relabelled", 0)
         self.top_classes.clear()
         self.top_classes.update(state["top_classes"])
         self.sleeps, self.updates, self.cpu_seconds = state["sleeps"], state["updates"], state["cpu_seconds"]

@@ -150,7 +150,7 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
 def noise_record(noise: LabelNoise, learner, data: ImageDataset, tasks: list[list[int]], stream) -> dict:
     """How well the memory's suspects find the flips, and the served accuracy at the end once the flipped samples
     found are relabelled: those among the memory's 100 most suspected, then those of the whole stream (`stream`: its
-    batches again) whose value to the memory is below zero."""
+    batches again) whose value to the memory is below zero; under a sleep schedule, then after a sleep on them."""
     record = {**noise.detection(learner), "kept_out_of_streaming_head": learner.suspects_kept_out}
     if "memory" not in record:
         return record
@@ -161,6 +161,10 @@ def noise_record(noise: LabelNoise, learner, data: ImageDataset, tasks: list[lis
     record["final_accuracy_corrected"] = mean(evaluate(learner, data, tasks)["head"])
     record |= noise.stream_suspects(learner, stream, set(done))
     record["final_accuracy_stream_corrected"] = mean(evaluate(learner, data, tasks)["head"])
+    if getattr(learner, "sleeper", None) is not None and learner.sleeper.new_samples:
+        report = learner.sleep()  # the relabels are new to the top: the idle device sleeps on them
+        record["sleep_on_corrections"] = {k: report.as_dict()[k] for k in ("updates", "kept", "cpu_seconds")}
+        record["final_accuracy_corrected_slept"] = mean(evaluate(learner, data, tasks)["head"])
     return record
 
 

@@ -110,8 +110,8 @@ class SleepStore(BaseModel):
 class SleepStatus(BaseModel):
     state: Literal["awake", "sleeping"]
     progress: dict[str, int] | None = Field(description="the sleep in progress: sample-updates taken and its budget")
-    new_samples: int = Field(description="samples trained on since the last sleep began (an idle sleep waits for "
-                             "ASER_SLEEP_MIN_NEW)")
+    new_samples: int = Field(description="samples trained on, or relabelled, since the last sleep began (an idle "
+                             "sleep waits for ASER_SLEEP_MIN_NEW)")
     owed: int = Field(description="sample-updates a sleep that yielded to arriving samples left for the next")
     sleeps: int = Field(description="sleeps in the lineage")
     sample_updates: int
