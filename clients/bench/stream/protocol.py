@@ -162,8 +162,8 @@ def noise_record(noise: LabelNoise, learner, data: ImageDataset, tasks: list[lis
     record |= noise.stream_suspects(learner, stream, set(done))
     record["final_accuracy_stream_corrected"] = mean(evaluate(learner, data, tasks)["head"])
     if getattr(learner, "sleeper", None) is not None and learner.sleeper.new_samples:
-        report = learner.sleep()  # the relabels are new to the top: the idle device sleeps on them
-        record["sleep_on_corrections"] = {k: report.as_dict()[k] for k in ("updates", "kept", "cpu_seconds")}
+        report = learner.sleep().as_dict()  # the relabels are new to the top: the idle device sleeps on them
+        record["sleep_on_corrections"] = {k: report[k] for k in ("updates", "kept", "cpu_seconds")}
         record["final_accuracy_corrected_slept"] = mean(evaluate(learner, data, tasks)["head"])
     return record
 
