@@ -171,6 +171,8 @@ class Settings(BaseSettings):
                                "sleep waits for (POST /sleep does not)")
     sleep_epochs: float = Field(8.0, gt=0, le=100, description="with ASER_SLEEP: a sleep's budget, sample-updates "
                                 "for each sample new since the last sleep")
+    sleep_schedule: Literal["constant", "cosine"] = Field("constant", description="with ASER_SLEEP: a sleep's SGD "
+                                                          "rate, constant or annealed to zero over each sleep")
     sleep_store_mb: float = Field(512.0, gt=0, description="with ASER_SLEEP: the latent store's size on disk; when full, "
                                   "a new sample evicts a random one of the largest class")
 

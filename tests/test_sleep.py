@@ -92,6 +92,21 @@ def test_a_sleep_in_micro_batches_steps_the_top_as_the_whole_batch_does(eurosat_
     assert (tops[0] - tops[1]).abs().max() < 1e-3 * moved, (moved, (tops[0] - tops[1]).abs().max())
 
 
+def test_a_cosine_sleep_anneals_its_rate_to_zero_over_its_budget_and_the_service_can_ask_for_it(eurosat_latents,
+                                                                                              streamed):
+    from service.learning.lineage import describe_learner
+    from service.settings import Settings
+
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=1, schedule="cosine")
+    rates, step = [], learner.sleeper.step
+    learner.sleeper.step = lambda learner, params, x, y, lr: rates.append(lr) or step(learner, params, x, y, lr)
+    report = learner.sleep()
+    assert report.updates == report.budget and len(rates) == report.steps > 10
+    assert rates[0] == 0.01 and rates[-1] < 0.001 and all(a > b for a, b in zip(rates, rates[1:]))
+    spec = describe_learner(Settings(sleep=True, sleep_schedule="cosine", device="cpu"), None)
+    assert spec.sleep_config().schedule == "cosine" and spec.config()["sleep_schedule"] == "cosine"
+
+
 def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(eurosat_latents, streamed):
     """With the top trained only in sleeps, the memory's KNN-SVs are taken on the frozen network's pooled features
     (those streaming LDA reads): the memory's cached features are exactly them, under the frozen space's version,

@@ -43,6 +43,7 @@ from learner.methods.base import OPTIMIZERS, SERVING_BN
 from learner.methods.objective import LOSSES, STEPS
 from learner.methods.registry import IID_EPOCHS
 from learner.methods.sleep import DRAWS as SLEEP_DRAWS
+from learner.methods.sleep import SCHEDULES as SLEEP_SCHEDULES
 from learner.methods.sleep import SOURCES as SLEEP_SOURCES
 from learner.networks.backbone import BACKBONES, make_backbone
 from learner.networks.lite0 import POOLED
@@ -286,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --sleep-every: a sleep's sample-updates, E times the samples new since the last")
     run.add_argument("--sleep-batch", type=int, default=32, help="with --sleep-every: a sleep step's batch")
     run.add_argument("--sleep-lr", type=float, default=0.01, help="with --sleep-every: a sleep's SGD rate")
+    run.add_argument("--sleep-schedule", choices=SLEEP_SCHEDULES, default="constant",
+                     help="with --sleep-every: the rate constant, or annealed from --sleep-lr to zero over each sleep")
     run.add_argument("--sleep-source", choices=SLEEP_SOURCES, default="store",
                      help="with --sleep-every: what a sleep rehearses (the latent store of every sample, ASER's "
                           "memory, or half of each)")

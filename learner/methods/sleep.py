@@ -17,6 +17,9 @@ warm-started from the current top and ends, under a choice on held-back samples 
 heads chosen again; it keeps its weights unless the held-back samples show the served answer worse than before by a
 paired sign test (`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield`
 is asked between steps: a sleep that yields keeps what it trained and owes the rest of its budget to the next.
+`schedule` "constant" steps at `lr` throughout; "cosine" anneals each sleep's rate from `lr` to zero over its budget
+(SGDR's warm restart a sleep, Loshchilov & Hutter 2017), so that a sleep ends at weights its last steps settled
+rather than at one noisy step's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..networks.frozen_runtime import cpu_seconds, trim_heap
 SOURCES = ("store", "memory", "both")
 KEPT_REPORTS = 1000  # the latest sleeps' reports a learner keeps (a service sleeps for months)
 DRAWS = ("balanced", "new-half")
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -47,6 +51,7 @@ class SleepConfig:
     # quarters 52 MB for 1.08 s (docs/results/sleep.md)
     micro_batch: int = 16
     lr: float = 0.01
+    schedule: str = "constant"
     source: str = "store"
     draw: str = "balanced"
     store_capacity: int = 100_000  # samples
@@ -56,6 +61,8 @@ class SleepConfig:
             raise ValueError(f"unknown sleep source {self.source!r}; choose one of {', '.join(SOURCES)}")
         if self.draw not in DRAWS:
             raise ValueError(f"unknown sleep draw {self.draw!r}; choose one of {', '.join(DRAWS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown sleep schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.epochs <= 0 or min(self.batch_size, self.micro_batch) < 1 or self.lr <= 0 or self.store_capacity < 1:
             raise ValueError("a sleep needs epochs > 0, batches of at least 1, a rate > 0 and a store of 1 or more")
 
@@ -140,7 +147,7 @@ class Sleeper:
                 report.yielded, self.owed = True, budget - report.updates
                 break
             x, y = self._draw(learner, min(self.config.batch_size, budget - report.updates), new)
-            self.step(learner, params, x, y)
+            self.step(learner, params, x, y, self.rate(report.updates, budget))
             report.updates += len(y)
             report.steps += 1
         learner.model.zero_grad(set_to_none=True)  # the last step's gradients: a top's size, not needed awake
@@ -157,12 +164,24 @@ class Sleeper:
             report.kept = False
         report.cpu_seconds = cpu_seconds() - cpu0  # the served top's graph exported in a child too
 
-    def step(self, learner, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> None:
-        """One step of plain SGD on the batch (x, y): its mean cross-entropy's gradient, summed over micro-batches."""
+    def rate(self, done: int, budget: int) -> float:
+        """The SGD rate of the step after `done` of a sleep's `budget` sample-updates.
+
+        >>> Sleeper(SleepConfig(lr=0.01, schedule="cosine"), (1,), False).rate(500, 1000)
+        0.005
+        """
+        if self.config.schedule == "constant":
+            return self.config.lr
+        return self.config.lr * 0.5 * (1.0 + math.cos(math.pi * done / budget))
+
+    def step(self, learner, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+             lr: float | None = None) -> None:
+        """One step of plain SGD on the batch (x, y) at `lr` (the config's by default): its mean cross-entropy's
+        gradient, summed over micro-batches."""
         learner.model.zero_grad(set_to_none=True)
         for part_x, part_y in zip(x.split(self.config.micro_batch), y.split(self.config.micro_batch)):
             (F.cross_entropy(learner.forward_logits(part_x), part_y, reduction="sum") / len(y)).backward()
-        _sgd_step(params, self.config.lr)
+        _sgd_step(params, self.config.lr if lr is None else lr)
         learner.weights_changed()
         if learner.forgotten:
             learner._silence_forgotten()

@@ -240,6 +240,7 @@ class LearnerSpec:
     sleep_epochs: float = 8.0
     sleep_store_mb: float = 512.0
     sleep_min_new: int = 100
+    sleep_schedule: str = "constant"
     calibrate: bool = True  # a temperature and "none of these" fitted on held-back samples (learner.heads.calibration)
     unknown_false_alarm: float = 0.05
 
@@ -275,7 +276,8 @@ class LearnerSpec:
             return None
         from learner.methods.sleep import SleepConfig
 
-        return SleepConfig(epochs=self.sleep_epochs, store_capacity=1)  # the worker's store on disk replaces it
+        # the worker's store on disk replaces the store
+        return SleepConfig(epochs=self.sleep_epochs, schedule=self.sleep_schedule, store_capacity=1)
 
     def config(self) -> dict:
         """The learner's configuration as `/status` shows it."""
@@ -290,7 +292,7 @@ class LearnerSpec:
                 "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias, "calibrate": self.calibrate,
                 **({"unknown_false_alarm": self.unknown_false_alarm} if self.calibrate else {}),
                 **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb,
-                    "sleep_min_new": self.sleep_min_new}
+                    "sleep_min_new": self.sleep_min_new, "sleep_schedule": self.sleep_schedule}
                    if self.sleep else {})}
 
 
@@ -321,6 +323,7 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
                        settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head),
                        settings.sleep, settings.sleep_epochs, settings.sleep_store_mb, settings.sleep_min_new,
+                       settings.sleep_schedule,
                        lineage.backbone != "scratch" if settings.calibrate is None else settings.calibrate,
                        settings.unknown_false_alarm)
 

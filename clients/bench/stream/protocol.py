@@ -256,7 +256,8 @@ def sleep_config(args) -> SleepConfig | None:
     if not getattr(args, "sleep_every", 0):
         return None
     return SleepConfig(epochs=args.sleep_epochs, batch_size=args.sleep_batch, lr=args.sleep_lr,
-                       source=args.sleep_source, draw=args.sleep_draw, store_capacity=args.sleep_store)
+                       schedule=args.sleep_schedule, source=args.sleep_source, draw=args.sleep_draw,
+                       store_capacity=args.sleep_store)
 
 
 def sleep_settings(args) -> dict:
@@ -264,8 +265,8 @@ def sleep_settings(args) -> dict:
     if not getattr(args, "sleep_every", 0):
         return {}
     return {"sleep": {"every": args.sleep_every, "epochs": args.sleep_epochs, "batch": args.sleep_batch,
-                      "lr": args.sleep_lr, "source": args.sleep_source, "draw": args.sleep_draw,
-                      "store": args.sleep_store}}
+                      "lr": args.sleep_lr, "schedule": args.sleep_schedule, "source": args.sleep_source,
+                      "draw": args.sleep_draw, "store": args.sleep_store}}
 
 
 def sleep_record(learner) -> dict:

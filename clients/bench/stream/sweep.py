@@ -184,7 +184,8 @@ class RunSpec:
             parts.append(f"rehearsals{extra['rehearsals']}")
         if extra.get("sleep_every"):  # the sleep schedule, its budget, and what differs from its defaults
             parts.append(f"sleep{extra['sleep_every']}x{extra.get('sleep_epochs', 8):g}")
-            parts += [f"{extra[k]}" for k, d in (("sleep_source", "store"), ("sleep_draw", "balanced"))
+            parts += [f"{extra[k]}" for k, d in (("sleep_source", "store"), ("sleep_draw", "balanced"),
+                                                 ("sleep_schedule", "constant"))
                       if extra.get(k, d) != d]
             if extra.get("sleep_lr", 0.01) != 0.01:
                 parts.append(f"slr{extra['sleep_lr']:g}")
