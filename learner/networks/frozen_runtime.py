@@ -164,8 +164,13 @@ def cached_session(name: str, export, open_graph):
         for stale in path.parent.glob(f"{name}-*.onnx"):  # an earlier release's
             stale.unlink()
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-            f.write(graph)
-        os.replace(f.name, path)
+            try:
+                f.write(graph)
+                f.close()
+                os.replace(f.name, path)
+            except OSError:  # a full disk: no half-written file left to eat the space
+                os.unlink(f.name)
+                raise
     return open_graph(graph)
 
 
