@@ -276,7 +276,7 @@ class LearnerSpec:
             return None
         from learner.methods.sleep import SleepConfig
 
-        # the worker's store on disk replaces the store
+        # a store of 1: the worker gives the learner its store on disk instead
         return SleepConfig(epochs=self.sleep_epochs, schedule=self.sleep_schedule, store_capacity=1)
 
     def config(self) -> dict:
