@@ -85,7 +85,7 @@ def test_a_sleep_in_micro_batches_steps_the_top_as_the_whole_batch_does(eurosat_
         learner = after_the_stream(eurosat_latents[1], streamed, micro_batch=micro_batch)
         before = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
         learner.model.train()
-        learner.sleeper.step(learner, list(learner.model.parameters()), x, y)
+        learner.sleeper.step(learner, list(learner.model.parameters()), x, y, learner.sleeper.config.lr)
         tops.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
     moved = (tops[0] - before).abs().max()
     assert len(set(y.tolist())) == 4 and moved > 1e-4

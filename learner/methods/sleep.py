@@ -174,14 +174,13 @@ class Sleeper:
             return self.config.lr
         return self.config.lr * 0.5 * (1.0 + math.cos(math.pi * done / budget))
 
-    def step(self, learner, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-             lr: float | None = None) -> None:
-        """One step of plain SGD on the batch (x, y) at `lr` (the config's by default): its mean cross-entropy's
-        gradient, summed over micro-batches."""
+    def step(self, learner, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
+        """One step of plain SGD on the batch (x, y) at `lr` (`rate`): its mean cross-entropy's gradient, summed over
+        micro-batches."""
         learner.model.zero_grad(set_to_none=True)
         for part_x, part_y in zip(x.split(self.config.micro_batch), y.split(self.config.micro_batch)):
             (F.cross_entropy(learner.forward_logits(part_x), part_y, reduction="sum") / len(y)).backward()
-        _sgd_step(params, self.config.lr if lr is None else lr)
+        _sgd_step(params, lr)
         learner.weights_changed()
         if learner.forgotten:
             learner._silence_forgotten()
