@@ -117,6 +117,9 @@ class Settings(BaseSettings):
                                    "request goes in slices of this many, taking turns with the others, so a "
                                    "one-photo request waits for one slice of each request ahead, not for them whole")
     online_window: int = Field(1000, ge=1, description="samples in the sliding window of online accuracy")
+    online_score_top_every: int = Field(4, ge=1, description="once a sleep's top answers, the online score answers "
+                                        "one incoming batch in this many (the top's pass over a batch costs a fifth "
+                                        "of the ingest path); 1: every batch")
     history_every_steps: int = Field(10, ge=1, description="store a point of the history every N training steps")
     history_max_points: int = Field(20_000, ge=100, description="past this many points, every second point of the "
                                     "older half of the history is dropped (it stays bounded for months)")

@@ -296,7 +296,10 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
 
         # ingest preempts a sleep: what arrives is acknowledged and trained, the sleep owes the rest
         send(server, tiles[480:520])  # new samples, so that the next sleep has a budget
-        wait_for(server, lambda s: s["samples_trained"] == 520, "train 40 more")
+        online = wait_for(server, lambda s: s["samples_trained"] == 520, "train 40 more")["online"]
+        # the top answers now: the online score scores one batch in four (the first of them), counts the rest apart
+        scored = online["samples_scored"] - st["online"]["samples_scored"]
+        assert 10 <= scored < 40 and scored + online["samples_unscored"] == 40, online
         httpx.post(f"{server.url}/sleep")
         wait_for(server, lambda s: s["sleep"]["state"] == "sleeping", "a second sleep starts")
         send(server, tiles[520:540])

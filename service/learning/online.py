@@ -4,6 +4,8 @@ Every labelled sample is scored by the model that is about to train on it, befor
 the stream itself is the test set. Samples of a class the head has never seen cannot be right;
 they are counted apart (`new_class_samples`) and left out of the accuracies. Samples the model called "none of
 these" (`learner.heads.calibration`) are counted apart too: of a known class a false alarm, of a new one a find.
+Once a sleep's top answers (`Predictor.reads_top`), answering a batch as served costs a pass over the upper blocks, a
+fifth of the ingest path: then one batch in `top_every` is scored and the others' samples are counted as unscored.
 The figures are kept cumulatively, over a sliding window of the last N scored samples, and per class; their state
 travels with the checkpoint (so a restart resumes them in step with the model), and a point
 every few steps goes to the `history` table, which only ever grows forwards.
@@ -44,8 +46,11 @@ CREATE TABLE IF NOT EXISTS history (samples_trained INTEGER PRIMARY KEY, steps I
 
 
 class OnlineAccuracy:
-    def __init__(self, window: int = 1000):
+    def __init__(self, window: int = 1000, top_every: int = 1):
         self.window = window
+        self.top_every = top_every
+        self.top_batches = 0  # batches offered while the top answers: the first of every `top_every` is scored
+        self.unscored = 0  # samples of known classes in the batches left unscored
         self.recent: deque[bool] = deque(maxlen=window)
         self.correct = 0
         self.scored = 0
@@ -79,10 +84,21 @@ class OnlineAccuracy:
         if not known:
             self.score([-1] * len(labels), labels, known)
             return
+        if predictor.reads_top:
+            self.top_batches += 1
+            if (self.top_batches - 1) % self.top_every:
+                self.pass_over(labels, known)
+                return
         probabilities, scores = predictor.answers_encoded(*encoded)
         calibration = predictor.calibration
         unknown = calibration.unknown(scores).tolist() if calibration is not None else None
         self.score(probabilities.argmax(1).tolist(), labels, known, unknown)
+
+    def pass_over(self, labels: Sequence[int], known: int) -> None:
+        """Count a batch left unscored: its new classes' samples as ever, the others as unscored."""
+        new = sum(label >= known for label in labels)
+        self.new_class_samples += new
+        self.unscored += len(labels) - new
 
     @property
     def accuracy(self) -> float | None:
@@ -106,12 +122,13 @@ class OnlineAccuracy:
         return {"window": self.window, "recent": list(self.recent), "correct": self.correct, "scored": self.scored,
                 "new_class_samples": self.new_class_samples, "class_correct": dict(self.class_correct),
                 "unknown_known": self.unknown_known, "unknown_new": self.unknown_new,
-                "class_scored": dict(self.class_scored)}
+                "class_scored": dict(self.class_scored), "top_batches": self.top_batches, "unscored": self.unscored}
 
     @classmethod
-    def from_state(cls, state: dict | None, window: int) -> "OnlineAccuracy":
-        acc = cls(window)
+    def from_state(cls, state: dict | None, window: int, top_every: int = 1) -> "OnlineAccuracy":
+        acc = cls(window, top_every)
         if state:
+            acc.top_batches, acc.unscored = state.get("top_batches", 0), state.get("unscored", 0)
             acc.recent.extend(state["recent"])
             acc.correct, acc.scored = state["correct"], state["scored"]
             acc.new_class_samples = state["new_class_samples"]
@@ -123,7 +140,8 @@ class OnlineAccuracy:
     def summary(self, classes: Sequence[str]) -> dict:
         """The figures as /status shows them, classes by label."""
         return {"accuracy": self.accuracy, "window_accuracy": self.window_accuracy, "window": self.window,
-                "samples_scored": self.scored, "new_class_samples": self.new_class_samples,
+                "samples_scored": self.scored, "samples_unscored": self.unscored,
+                "new_class_samples": self.new_class_samples,
                 "unknown": {"known_class_samples": self.unknown_known, "new_class_samples": self.unknown_new},
                 "per_class": by_label(classes, {c: {"accuracy": right / n, "samples": n}
                                                 for c, (right, n) in self.per_class().items()})}

@@ -70,6 +70,7 @@ class LoopSpec:
     max_classes: int
     history_every_steps: int
     online_window: int
+    online_score_top_every: int
     idle_rehearsal: bool
     idle_rehearsal_per_step: float
     idle_rehearsal_share: float
@@ -165,7 +166,8 @@ class LearnerWorker:
         self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
         if learner.sleeper is not None and not self.trained_upto:  # a new lineage: nothing stored is its own
             self.latent_store.truncate(0)
-        self.online = OnlineAccuracy.from_state(extra.get("online"), self.loop.online_window)
+        self.online = OnlineAccuracy.from_state(extra.get("online"), self.loop.online_window,
+                                                 self.loop.online_score_top_every)
         forgotten = self.store.forgotten()
         for f in forgotten:  # a crash may have come between the forgetting and the next checkpoint
             learner.forget_class(f.class_id)

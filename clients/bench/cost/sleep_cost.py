@@ -10,7 +10,8 @@ On camera-sized JPEGs of real photos (`clients.bench.cost.service_cost.camera_ph
    to yield, and what was trained and skipped;
 4. once a sleep has taught the top and the held-back samples chose it (classes of at least 110 samples, each holding
    10 back): Split EuroSAT tiles of three classes into the default and a sleeping service, a sleep on the second,
-   then more tiles of the same classes into both: ingest's cost as in 1., the top served on the sleeping one.
+   then more tiles of the same classes into both: ingest's cost as in 1., the top served on the sleeping one; and on
+   a third, sleeping, service whose online score answers every batch through the top (ASER_ONLINE_SCORE_TOP_EVERY=1).
 
     python -m clients.bench.cost.sleep_cost --out results/speed/sleep-cost.json
     python -m clients.bench.cost.sleep_cost --only-top-served --out results/speed/sleep-cost-top-in-runtime.json  # 4.
@@ -37,6 +38,7 @@ from clients.bench.machine import machine_description
 from clients.bench.results import write_result
 
 AWAKE = {"ASER_SLEEP_IDLE_S": "86400"}  # no idle sleep: sleeps come when asked
+EVERY_BATCH_SCORED = {"ASER_ONLINE_SCORE_TOP_EVERY": "1"}  # the online score's top pass on every batch, as before
 
 
 def wait_state(client: ServiceClient, state: str, timeout: float = 600) -> dict:
@@ -142,7 +144,8 @@ def ingest_after_a_sleep(service: LocalService, first: list[tuple[str, bytes]],
             st = client.status()
         choice = st["head_choice"] or {}
         return {**result, "serving_head": st["serving_head"], "pool": choice.get("pool"),
-                "held_back": choice.get("held_back"), "sleep": (st["sleep"] or {}).get("last")}
+                "held_back": choice.get("held_back"), "sleep": (st["sleep"] or {}).get("last"),
+                "online": {k: st["online"][k] for k in ("samples_scored", "samples_unscored", "accuracy")}}
     finally:
         service.stop()
 
@@ -152,7 +155,8 @@ def top_served(args, tmp: Path) -> dict:
     tiles = real_jpegs(Path(args.eurosat), args.before_sleep + args.after_sleep, classes=TILE_CLASSES)
     return {name: ingest_after_a_sleep(LocalService(tmp / f"tiles-{name}", env), tiles[:args.before_sleep],
                                        tiles[args.before_sleep:])
-            for name, env in (("default", {}), ("sleep", {"ASER_SLEEP": "true", **AWAKE}))}
+            for name, env in (("default", {}), ("sleep", {"ASER_SLEEP": "true", **AWAKE}),
+                              ("sleep_scoring_every_batch", {"ASER_SLEEP": "true", **AWAKE, **EVERY_BATCH_SCORED}))}
 
 
 def sleeping_service(photos: list[tuple[str, bytes]], args, tmp: Path) -> dict:
@@ -181,7 +185,8 @@ def _top_served_only(args, argv) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = {"ingest_top_served": top_served(args, Path(tmp))}
     ms = {k: v["cpu_ms_per_trained_photo"] for k, v in out["ingest_top_served"].items()}
-    out["summary"] = {"top_served_cpu_ms_a_tile": ms, "top_served_ratio": round(ms["sleep"] / ms["default"], 3)}
+    out["summary"] = {"top_served_cpu_ms_a_tile": ms, "top_served_ratio": round(ms["sleep"] / ms["default"], 3),
+                      "every_batch_scored_ratio": round(ms["sleep_scoring_every_batch"] / ms["default"], 3)}
     return _write(out, args, argv)
 
 

@@ -47,6 +47,9 @@ class OnlineFigures(BaseModel):
     window_accuracy: float | None = Field(description="the same over the last `window` samples scored")
     window: int
     samples_scored: int
+    samples_unscored: int = Field(description="samples of known classes left unscored: once a sleep's top answers, "
+                                  "one batch in ASER_ONLINE_SCORE_TOP_EVERY is scored (its pass costs a fifth of "
+                                  "the ingest path)")
     new_class_samples: int = Field(description="samples of a class the model had not learned yet (not in the "
                                    "accuracies)")
     unknown: dict[str, int] = Field(description="samples the model called \"none of these\" before its step: of a "
