@@ -67,6 +67,8 @@ def test_dashboard_follows_a_learning_stream(browser, tmp_path):
         wait(browser, lambda d: counter(d, "samples trained") == "300")
         assert counter(browser, "classes") == "2" and counter(browser, "backlog") == "0"
         assert counter(browser, "lean steps (on)") == "0"  # er's default, none taken: it kept up
+        scored, unscored = map(int, counter(browser, "samples scored / unscored").split(" / "))
+        assert 280 <= scored <= 300 and unscored == 0  # no sleep's top answers: every batch scored
         accuracy = browser.find_element(By.ID, "chart-accuracy")
         wait(browser, lambda d: int(accuracy.get_attribute("data-points")) > 50)
         legend = browser.execute_script("return document.querySelector('#chart-accuracy .legend').innerText")

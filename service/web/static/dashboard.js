@@ -40,6 +40,7 @@ function counters(st) {
     ["classes", st.classes.length],
     ["online accuracy", pct(st.online.accuracy)],
     [`last ${st.online.window} samples`, pct(st.online.window_accuracy)],
+    ["samples scored / unscored", `${st.online.samples_scored} / ${st.online.samples_unscored}`],
     ["new-class samples", st.online.new_class_samples],
     ["called none of these", `${st.online.unknown.known_class_samples} known, ` +
       `${st.online.unknown.new_class_samples} new`], ["model version", st.model_version],
