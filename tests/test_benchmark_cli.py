@@ -84,6 +84,11 @@ def test_a_noisy_stream_scores_the_suspects_against_its_flips_and_pairs_flip_eac
         noise = r["label_noise"]
         assert noise["mode"] == mode and noise["sent"] == 200 and 30 < noise["flipped"] < 90  # a 30% share of 200
         assert 0 <= noise["precision_at_100"] <= 1 and noise["memory"] == 30 and "final_accuracy_corrected" in noise
+        # a deeper review reads further down the same list: more reviewed, more of the flips found
+        review = noise["stream_review"]
+        assert [stage["share"] for stage in review] == [0.3, 0.4]
+        assert noise["stream_suspected"] <= review[0]["reviewed"] <= review[1]["reviewed"] == 80
+        assert noise["stream_recall"] <= review[0]["recall"] <= review[1]["recall"] <= 1
     assert "noise 0.3 pair" in run_label(results["pair"]) and "pair" not in run_label(results["symmetric"])
     # under sleep the relabels are new to the top: the idle device sleeps on them before the last measure
     slept = tmp_path / "slept.json"

@@ -5,7 +5,8 @@ network's features: the confusion a person in the field makes, each class always
 goes to the learner with its stream position as its key (`observe(keys=...)`), so that at the end the memory's
 suspects (`ReplayLearner.suspects`: ASER's KNN-SV of each remembered sample to the others) are scored against the
 flips exactly, and the flipped samples found are corrected (`correct_sample`, as `PATCH /samples/{seq}` does) to
-measure what correcting them gives back.
+measure what correcting them gives back: the memory's suspects, the stream's samples valued below zero, then a person
+reading further down the same list (`REVIEW_SHARES` of the stream, lowest-valued first).
 
 >>> noise = LabelNoise(0.5, seed=0)
 >>> noise.begin([0, 1])
@@ -30,6 +31,8 @@ import torch
 from learner.memory.shapley import incoming_values
 
 SUSPECTS_SCORED = 100  # the goal reads precision among the 100 most suspected
+# a deeper review: the lowest-valued shares of the stream a person looks at, past those below zero
+REVIEW_SHARES = (0.3, 0.4)
 MODES = ("symmetric", "pair")
 
 
@@ -114,29 +117,33 @@ class LabelNoise:
             learner.correct_sample(key, given, true)
         return found
 
-    def stream_suspects(self, learner, stream, done: set[int]) -> dict:
+    def stream_values(self, learner, stream) -> torch.Tensor:
         """Every sample the stream sent (`stream`: its batches again, (stored form, true labels), in order), valued
-        for the whole memory as it ended (`shapley.incoming_values`): precision and recall of those below zero, and
-        the flipped ones among them relabelled, as a user reviewing them would (those in `done` were already)."""
-        cpu0 = time.process_time()  # the valuation and the corrections together
+        for the whole memory as it ended (`shapley.incoming_values`) under the label it was given, a batch at a time
+        as it arrived (its samples candidates beside each other): below zero, its label disagrees with the memory."""
         memory = learner.frozen_features(learner.buffer.images[:len(learner.buffer)]).float().cpu()
         held = learner.buffer.labels[:len(learner.buffer)].cpu()
         k = getattr(learner.update_policy, "k", 3)
-        position, suspected, hits, found = 0, 0, 0, []
-        for x, y in stream:  # a batch at a time, as it arrived: its samples are candidates beside each other
+        position, values = 0, []
+        for x, y in stream:
             keys = range(position, position + len(y))
-            given = torch.tensor([self.flipped[key][0] if key in self.flipped else int(c) for key, c in zip(keys, y)])
+            given = torch.tensor([self.flipped.get(key, (int(c),))[0] for key, c in zip(keys, y)])
             features = learner.frozen_features(x.to(learner.device)).float().cpu()
-            below = incoming_values(memory, held, features, given, k) < 0
-            suspected += int(below.sum())
-            for i in torch.nonzero(below).flatten().tolist():
-                key = position + i
-                hits += key in self.flipped
-                if key in self.flipped and key not in done:
-                    learner.correct_sample(key, self.flipped[key][0], self.flipped[key][1], x[i:i + 1])
-                    found.append(key)
+            # kept as floats: 5,000 small tensors between each batch's large ones grew the heap to 12 GB on CIFAR-10
+            values.extend(incoming_values(memory, held, features, given, k).tolist())
             position += len(y)
-        return {"stream_valuation_cpu_seconds": round(time.process_time() - cpu0, 2), "stream_suspected": suspected,
-                "stream_precision": round(hits / max(suspected, 1), 4),
-                "stream_recall": round(hits / max(len(self.flipped), 1), 4), "stream_relabelled": len(found)}
+        return torch.tensor(values)
 
+    def review(self, learner, stream, reviewed: torch.Tensor, done: set[int]) -> dict:
+        """A person shown the stream positions `reviewed` relabels the flipped ones among them (those in `done`
+        already were; `done` gains the rest): precision and recall of the flips there."""
+        wanted = {int(key) for key in reviewed if int(key) in self.flipped and int(key) not in done}
+        position = 0
+        for x, y in stream:
+            for key in sorted(wanted.intersection(range(position, position + len(y)))):
+                learner.correct_sample(key, *self.flipped[key], x[key - position:key - position + 1])
+            position += len(y)
+        done |= wanted
+        hits = sum(int(key) in self.flipped for key in reviewed)
+        return {"reviewed": len(reviewed), "precision": round(hits / max(len(reviewed), 1), 4),
+                "recall": round(hits / max(len(self.flipped), 1), 4), "relabelled": len(wanted)}

@@ -16,7 +16,7 @@ import torch
 
 from clients.bench.machine import machine_description, resolve_device
 from clients.bench.results import matrix_summary
-from clients.bench.stream.noise import LabelNoise, nearest_classes
+from clients.bench.stream.noise import REVIEW_SHARES, LabelNoise, nearest_classes
 from clients.bench.stream.realtime import Stream, cost_model, simulate
 from clients.bench.stream.resume import load_run_state, run_identity, save_run_state
 from learner import make_learner
@@ -140,31 +140,45 @@ def run_once(args, data: ImageDataset, seed: int, progress: bool = True, checkpo
     result = result_record(args, data, seed, device, learner, run)
     if noise is not None:
         one_class = args.one_class_batches and evaluate_each
-        again = torch.Generator().manual_seed(seed)  # the stream's order, drawn again
-        stream = (batch for classes in passes
-                  for batch in task_batches(data, classes, args.batch_size, again, one_class))
+
+        def stream():  # the stream's batches in its order, drawn again
+            again = torch.Generator().manual_seed(seed)
+            return (batch for classes in passes for batch in task_batches(data, classes, args.batch_size, again,
+                                                                          one_class))
         result["label_noise"] = noise_record(noise, learner, data, tasks, stream)
     return result
 
 
 def noise_record(noise: LabelNoise, learner, data: ImageDataset, tasks: list[list[int]], stream) -> dict:
     """How well the memory's suspects find the flips, and the served accuracy at the end once the flipped samples
-    found are relabelled: those among the memory's 100 most suspected, then those of the whole stream (`stream`: its
-    batches again) whose value to the memory is below zero; under a sleep schedule, then after a sleep on them."""
+    found are relabelled: those among the memory's 100 most suspected, then those of the whole stream (`stream()`:
+    its batches again) whose value to the memory is below zero; under a sleep schedule, then after a sleep on them;
+    then a deeper review, the lowest-valued REVIEW_SHARES of the stream (nested: each includes the last)."""
     record = {**noise.detection(learner), "kept_out_of_streaming_head": learner.suspects_kept_out}
     if "memory" not in record:
         return record
     mean = lambda row: round(sum(row) / len(row), 2)  # noqa: E731
     record["final_accuracy"] = mean(evaluate(learner, data, tasks)["head"])
-    done = noise.correct_found(learner)
+    done = set(noise.correct_found(learner))
     record["corrected"] = len(done)
     record["final_accuracy_corrected"] = mean(evaluate(learner, data, tasks)["head"])
-    record |= noise.stream_suspects(learner, stream, set(done))
-    record["final_accuracy_stream_corrected"] = mean(evaluate(learner, data, tasks)["head"])
+    cpu0 = time.process_time()  # the valuation and the corrections together
+    values = noise.stream_values(learner, stream())
+    order = torch.argsort(values, stable=True)
+    below = noise.review(learner, stream(), order[:int((values < 0).sum())], done)
+    record |= {"stream_valuation_cpu_seconds": round(time.process_time() - cpu0, 2),
+               "stream_suspected": below["reviewed"], "stream_precision": below["precision"],
+               "stream_recall": below["recall"], "stream_relabelled": below["relabelled"],
+               "final_accuracy_stream_corrected": mean(evaluate(learner, data, tasks)["head"])}
     if getattr(learner, "sleeper", None) is not None and learner.sleeper.new_samples:
         report = learner.sleep().as_dict()  # the relabels are new to the top: the idle device sleeps on them
         record["sleep_on_corrections"] = {k: report[k] for k in ("updates", "kept", "cpu_seconds")}
         record["final_accuracy_corrected_slept"] = mean(evaluate(learner, data, tasks)["head"])
+    record["stream_review"] = []
+    for share in REVIEW_SHARES:  # a person reviewing further down the list: what each share of the stream gives
+        stage = noise.review(learner, stream(), order[:max(int(share * len(values)), below["reviewed"])], done)
+        record["stream_review"].append({"share": share, **stage, "relabelled": len(done),
+                                        "final_accuracy": mean(evaluate(learner, data, tasks)["head"])})
     return record
 
 

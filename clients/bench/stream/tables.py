@@ -22,6 +22,7 @@ from clients.bench.results import (
     fmt,
     paired_difference,
 )
+from clients.bench.stream.noise import REVIEW_SHARES
 from learner import METHODS
 
 
@@ -222,18 +223,21 @@ def noise_table(groups: dict[tuple, list[dict]]) -> str:
     lines = ["| dataset | configuration | seeds | memory flipped (%) | precision @100 (%) | recall @100 (%) "
              "| precision, value < 0 (%) | recall, value < 0 (%) | valuation CPU s | A_T at the end "
              "| after relabelling the flips found (pts) | the stream: precision, value < 0 (%) | recall (%) "
-             "| after relabelling its flips found too (pts) | its valuation CPU s |", "|---" * 15 + "|"]
+             "| after relabelling its flips found too (pts) | its valuation CPU s |"
+             + "".join(f" lowest {share:.0%} reviewed: recall (%), after (pts) |" for share in REVIEW_SHARES),
+             "|---" * (15 + len(REVIEW_SHARES)) + "|"]
     for (dataset, _, label), ns in rows:
         pct = lambda key: fmt([100 * n[key] for n in ns])  # noqa: E731
         gain = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
                                  {i: n["final_accuracy_corrected"] for i, n in enumerate(ns)})
         flipped = fmt([100 * n["memory_flipped"] / n["memory"] for n in ns])
-        stream = "| – | – | – | – |"
+        stream = "| – | – | – | – |" + " – |" * len(REVIEW_SHARES)
         if all("stream_precision" in n for n in ns):
             more = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
                                      {i: n["final_accuracy_stream_corrected"] for i, n in enumerate(ns)})
             stream = (f"| {pct('stream_precision')} | {pct('stream_recall')} | {_signed(more)} "
                       f"| {fmt([n['stream_valuation_cpu_seconds'] for n in ns])} |")
+            stream += "".join(f" {_review_cell(ns, i)} |" for i in range(len(REVIEW_SHARES)))
         lines.append(f"| {dataset} | {label} | {len(ns)} | {flipped} | {pct('precision_at_100')} "
                      f"| {pct('recall_at_100')} | {pct('precision_below_zero')} | {pct('recall_below_zero')} "
                      f"| {fmt([n['suspects_cpu_seconds'] for n in ns])} | {fmt([n['final_accuracy'] for n in ns])} "
@@ -241,8 +245,18 @@ def noise_table(groups: dict[tuple, list[dict]]) -> str:
     return "\n".join(lines) + ("\n\nThe memory's samples valued against each other (mean KNN-SV, the sample left "
                                "out); precision and recall of the flips among the 100 most suspected and among those "
                                "below zero; the stream: every sample sent valued for the memory as it ended, and the "
-                               "flipped ones below zero relabelled after the memory's; mean ± 95% t-interval over "
-                               "seeds.\n")
+                               "flipped ones below zero relabelled after the memory's, then a deeper review (the "
+                               "flips among the stream's lowest-valued shares); mean ± 95% t-interval over seeds.\n")
+
+
+def _review_cell(ns: list[dict], stage: int) -> str:
+    """A deeper review's stage: its recall and the served accuracy's paired gain over the noisy end ("–" where a run
+    has no such stage: it came before the review was recorded)."""
+    if not all(len(n.get("stream_review", [])) > stage for n in ns):
+        return "–"
+    gain = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
+                             {i: n["stream_review"][stage]["final_accuracy"] for i, n in enumerate(ns)})
+    return f"{fmt([100 * n['stream_review'][stage]['recall'] for n in ns])}, {_signed(gain)}"
 
 
 def _signed(d: dict) -> str:
