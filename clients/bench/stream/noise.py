@@ -137,13 +137,14 @@ class LabelNoise:
     def review(self, learner, stream, reviewed: torch.Tensor, done: set[int]) -> dict:
         """A person shown the stream positions `reviewed` relabels the flipped ones among them (those in `done`
         already were; `done` gains the rest): precision and recall of the flips there."""
-        wanted = {int(key) for key in reviewed if int(key) in self.flipped and int(key) not in done}
+        keys = reviewed.tolist()
+        wanted = {key for key in keys if key in self.flipped and key not in done}
         position = 0
         for x, y in stream:
             for key in sorted(wanted.intersection(range(position, position + len(y)))):
                 learner.correct_sample(key, *self.flipped[key], x[key - position:key - position + 1])
             position += len(y)
         done |= wanted
-        hits = sum(int(key) in self.flipped for key in reviewed)
+        hits = sum(key in self.flipped for key in keys)
         return {"reviewed": len(reviewed), "precision": round(hits / max(len(reviewed), 1), 4),
                 "recall": round(hits / max(len(self.flipped), 1), 4), "relabelled": len(wanted)}

@@ -228,13 +228,11 @@ def noise_table(groups: dict[tuple, list[dict]]) -> str:
              "|---" * (15 + len(REVIEW_SHARES)) + "|"]
     for (dataset, _, label), ns in rows:
         pct = lambda key: fmt([100 * n[key] for n in ns])  # noqa: E731
-        gain = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
-                                 {i: n["final_accuracy_corrected"] for i, n in enumerate(ns)})
+        gain = _gain_over_noisy_end(ns, lambda n: n["final_accuracy_corrected"])
         flipped = fmt([100 * n["memory_flipped"] / n["memory"] for n in ns])
         stream = "| – | – | – | – |" + " – |" * len(REVIEW_SHARES)
         if all("stream_precision" in n for n in ns):
-            more = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
-                                     {i: n["final_accuracy_stream_corrected"] for i, n in enumerate(ns)})
+            more = _gain_over_noisy_end(ns, lambda n: n["final_accuracy_stream_corrected"])
             stream = (f"| {pct('stream_precision')} | {pct('stream_recall')} | {_signed(more)} "
                       f"| {fmt([n['stream_valuation_cpu_seconds'] for n in ns])} |")
             stream += "".join(f" {_review_cell(ns, i)} |" for i in range(len(REVIEW_SHARES)))
@@ -254,9 +252,14 @@ def _review_cell(ns: list[dict], stage: int) -> str:
     has no such stage: it came before the review was recorded)."""
     if not all(len(n.get("stream_review", [])) > stage for n in ns):
         return "–"
-    gain = paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
-                             {i: n["stream_review"][stage]["final_accuracy"] for i, n in enumerate(ns)})
+    gain = _gain_over_noisy_end(ns, lambda n: n["stream_review"][stage]["final_accuracy"])
     return f"{fmt([100 * n['stream_review'][stage]['recall'] for n in ns])}, {_signed(gain)}"
+
+
+def _gain_over_noisy_end(ns: list[dict], after) -> dict:
+    """The served accuracy after a correction (`after` of a run's noise record) less the noisy end, paired by run."""
+    return paired_difference({i: n["final_accuracy"] for i, n in enumerate(ns)},
+                             {i: after(n) for i, n in enumerate(ns)})
 
 
 def _signed(d: dict) -> str:
