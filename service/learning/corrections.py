@@ -152,12 +152,15 @@ class CorrectionRequests:
         entries = [e for e in w.store.recent(w.trained_upto, recent) if e.seq not in lr.confirmed]
         if not entries:
             return []
-        stored, values = [], []
-        for i in range(0, len(entries), RECENT_BATCH):
-            part = entries[i:i + RECENT_BATCH]
-            stored.append(lr.encode(images_from_blobs([e.image for e in part], w.image_shape).to(lr.device)))
-            values.append(lr.values_to_memory(stored[-1], torch.tensor([e.class_id for e in part])))
-        values = torch.cat(values)
+        stored = []
+
+        def batches():
+            for i in range(0, len(entries), RECENT_BATCH):
+                part = entries[i:i + RECENT_BATCH]
+                stored.append(lr.encode(images_from_blobs([e.image for e in part], w.image_shape).to(lr.device)))
+                yield stored[-1], torch.tensor([e.class_id for e in part])
+
+        values = lr.values_to_memory(batches())
         listed = torch.argsort(values, stable=True)[:limit]  # only those listed are answered
         picked = [entries[at] for at in listed.tolist()]
         return suspect_listing(lr, w.store.classes(), torch.cat(stored)[listed.to(lr.device)], values[listed],

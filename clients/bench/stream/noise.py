@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from learner.memory.shapley import incoming_values
+from learner.memory.shapley import MemoryReference
 
 SUSPECTS_SCORED = 100  # the goal reads precision among the 100 most suspected
 # a deeper review: the lowest-valued shares of the stream a person looks at, past those below zero
@@ -119,18 +119,18 @@ class LabelNoise:
 
     def stream_values(self, learner, stream) -> torch.Tensor:
         """Every sample the stream sent (`stream`: its batches again, (stored form, true labels), in order), valued
-        for the whole memory as it ended (`shapley.incoming_values`) under the label it was given, a batch at a time
+        for the whole memory as it ended (`shapley.MemoryReference`) under the label it was given, a batch at a time
         as it arrived (its samples candidates beside each other): below zero, its label disagrees with the memory."""
         memory = learner.frozen_features(learner.buffer.images[:len(learner.buffer)]).float().cpu()
-        held = learner.buffer.labels[:len(learner.buffer)].cpu()
-        k = getattr(learner.update_policy, "k", 3)
+        reference = MemoryReference(memory, learner.buffer.labels[:len(learner.buffer)].cpu(),
+                                    getattr(learner.update_policy, "k", 3))
         position, values = 0, []
         for x, y in stream:
             keys = range(position, position + len(y))
             given = torch.tensor([self.flipped.get(key, (int(c),))[0] for key, c in zip(keys, y)])
             features = learner.frozen_features(x.to(learner.device)).float().cpu()
             # kept as floats: 5,000 small tensors between each batch's large ones grew the heap to 12 GB on CIFAR-10
-            values.extend(incoming_values(memory, held, features, given, k).tolist())
+            values.extend(reference.values_of(features, given).tolist())
             position += len(y)
         return torch.tensor(values)
 
