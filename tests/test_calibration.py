@@ -82,7 +82,7 @@ def test_with_nothing_held_back_the_prior_keeps_the_first_answers_humble(encoded
     """Eight tiles a class: nothing is held back yet, the prior's temperature answers, and no photo of the
     test set gets a probability of 1."""
     from learner import make_learner
-    from learner.heads.calibration import PRIOR_TEMPERATURE
+    from learner.heads.calibration import FIRST_PRIOR_TEMPERATURE
 
     data, _, backbone = encoded
     learner = make_learner("slda", data.num_classes, backbone=backbone, seed=0, calibrate=True)
@@ -90,7 +90,7 @@ def test_with_nothing_held_back_the_prior_keeps_the_first_answers_humble(encoded
         learner.observe(data.train_x[data.train_y == c][:8], torch.full((8,), c))
     calibration = learner.calibration()
     assert calibration.held == 0 and calibration.threshold is None
-    assert calibration.temperature == pytest.approx(PRIOR_TEMPERATURE, rel=0.05)
+    assert calibration.temperature == pytest.approx(FIRST_PRIOR_TEMPERATURE, rel=0.05)
     probabilities = torch.softmax(learner.logits(data.test_x[data.test_y < 3]), 1)
     assert float(probabilities.max()) < 1.0
 

@@ -220,6 +220,8 @@ def test_the_benchmark_runs_the_pretrained_backbone_and_records_anytime_accuracy
     assert end["wrong"] == round(100 * (1 - result["average_accuracy"] / 100))  # 100 test images, 10 a class
     assert 0 <= end["ece"] <= 1 and 0 <= end["brier"] <= 2 and end["wrong_above_0.99"] <= end["wrong"]
     assert set(at_10) == {"ece", "brier", "mean_confidence", "wrong", "wrong_above_0.99"}
+    by_task = result["calibration"]["anytime_ece_by_task"]["10"]  # the first task's apart: nothing held back yet
+    assert len(by_task) == 5 and sum(by_task) / 5 == pytest.approx(at_10["ece"], abs=1e-4)
     assert result["frozen_forward_cpu_seconds"] > 0 and result["settings"]["backbone"]["cut"] == POOLED
     table = tmp_path / "table.md"
     assert main(["table", str(tmp_path), "--out", str(table)]) == 0

@@ -17,7 +17,14 @@ from dataclasses import asdict, replace
 import torch
 from torch.nn import functional as F
 
-from ..heads.calibration import COMPOSED_PRIOR_TEMPERATURE, FALSE_ALARM, PRIOR_TEMPERATURE, Calibration, unit_means
+from ..heads.calibration import (
+    COMPOSED_PRIOR_TEMPERATURE,
+    FALSE_ALARM,
+    FIRST_PRIOR_TEMPERATURE,
+    PRIOR_TEMPERATURE,
+    Calibration,
+    unit_means,
+)
 from ..heads.ema import WeightAverage
 from ..heads.head_choice import HeadChoice
 from ..heads.held_back import HeldBack
@@ -306,7 +313,16 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
         return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
-                               COMPOSED_PRIOR_TEMPERATURE if reads_top else PRIOR_TEMPERATURE)
+                               self._calibration_prior(reads_top))
+
+    def _calibration_prior(self, reads_top: bool) -> float:
+        """The temperature's prior for what is served: the trained top's fitted log-probabilities, streaming LDA, or,
+        while nothing is held back yet (every class under 20 samples), its nearest class means."""
+        if reads_top:
+            return COMPOSED_PRIOR_TEMPERATURE
+        if self.stream_head is not None and not len(self.held_back):
+            return FIRST_PRIOR_TEMPERATURE
+        return PRIOR_TEMPERATURE
 
     @property
     def held_measure_due(self) -> bool:

@@ -413,12 +413,15 @@ def calibration_figures(probabilities: torch.Tensor, labels: torch.Tensor) -> di
 
 def calibration_record(learner, data: ImageDataset, tasks: list[list[int]], run: dict) -> dict:
     """The served probabilities' calibration on every class's test set at the end, and at each anytime point (the
-    mean over the tasks that reached it)."""
+    mean over the tasks that reached it, and each task's ECE: the first task has no held-back samples yet)."""
     x, y = task_test_set(data, [c for t in tasks for c in t])
     served = torch.softmax(learner.logits(x), 1)  # under a head choice, the log of the served probabilities
+    points = run.get("anytime_calibration", {})
     anytime = {point: {k: round(sum(f[k] for f in figures) / len(figures), 4) for k in figures[0]}
-               for point, figures in run.get("anytime_calibration", {}).items()}
-    return {"calibration": {"end": calibration_figures(served.cpu(), y), "anytime": anytime}}
+               for point, figures in points.items()}
+    by_task = {point: [f["ece"] for f in figures] for point, figures in points.items()}
+    return {"calibration": {"end": calibration_figures(served.cpu(), y), "anytime": anytime,
+                            "anytime_ece_by_task": by_task}}
 
 
 def anytime_summary(run: dict) -> dict:
