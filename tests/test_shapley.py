@@ -98,3 +98,22 @@ def test_shapes_dtype_and_empty_inputs():
     assert knn_shapley(ev[:0], torch.zeros(0, dtype=torch.long), cand, torch.zeros(7, dtype=torch.long), 2).shape == (0, 7)
     with pytest.raises(ValueError):
         knn_shapley(ev, torch.zeros(3, dtype=torch.long), cand, torch.zeros(7, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_memory_reference_values_each_batch_as_knn_shapley_defines_it(seed):
+    """`MemoryReference.values_of` (the memory's distances to itself computed once, for many batches) gives each
+    incoming sample its mean KNN-SV over the remembered samples as evaluation points, each point's candidates the
+    batch and the other remembered samples (eqs. 3-4, computed directly)."""
+    from learner.memory.shapley import MemoryReference
+
+    g = torch.Generator().manual_seed(seed)
+    memory, labels = torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+    reference = MemoryReference(memory, labels, k=3)
+    for _ in range(3):
+        batch, given = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        direct = torch.stack([knn_shapley(memory[j:j + 1], labels[j:j + 1],
+                                          torch.cat([batch, memory[torch.arange(40) != j]]),
+                                          torch.cat([given, labels[torch.arange(40) != j]]), k=3)[0, :5]
+                              for j in range(40)]).mean(0)
+        assert torch.allclose(reference.values_of(batch, given), direct, atol=1e-6)
