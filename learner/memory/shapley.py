@@ -108,7 +108,7 @@ def incoming_values(memory_feats: torch.Tensor, memory_labels: torch.Tensor, inc
 class MemoryReference:
     """A memory as the evaluation points of `incoming_values`, for many batches in turn: the memory's distances to
     itself (m x m x d, the bulk of a batch's valuation) are computed once, not once a batch (a Split CIFAR-10 stream's
-    5,000 batches valued against 1,000 remembered samples: 94 against 583-591 CPU seconds, docs/results/noisy-labels.md).
+    5,000 batches valued against 1,000 remembered samples: 94 against 583-591 CPU seconds: docs/results/noisy-labels).
 
     >>> reference = MemoryReference(torch.tensor([[0.0], [0.1], [5.0], [5.1]]), torch.tensor([0, 0, 1, 1]), k=1)
     >>> [round(float(v), 3) for v in reference.values_of(torch.tensor([[0.05], [5.05]]), torch.tensor([1, 1]))]
