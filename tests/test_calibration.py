@@ -76,6 +76,44 @@ def test_a_forgotten_class_leaves_the_held_back_samples(encoded, learned):
     learner.forget_class(0)
     assert 0 not in learner.held_back.samples and len(learner.held_back) < held
     assert learner.calibration().held == len(learner.held_back)
+    assert 0 not in learner.recent_features.kept
+
+
+def test_trained_samples_are_scored_against_their_class_mean_without_them(learned):
+    """The threshold also reads the latest trained samples of each class, each scored as if it had never trained:
+    its distance to its class's mean with it taken out of streaming LDA's sums, exactly; in sample it would look
+    nearer than it is (and the threshold too low)."""
+    import copy
+    from dataclasses import replace
+
+    from learner.heads.calibration import unit_means
+
+    recent, head = learned.recent_features, learned.stream_head
+    assert sorted(recent.kept) == list(range(6))  # under its budget, every sample streaming LDA took in
+    assert all(len(kept) == int(head.counts[c]) <= recent.per_class for c, kept in recent.kept.items())
+    scores = recent.distances(head.sums, head.counts, learned.num_classes)
+    rows = [(c, f.float()) for c, kept in recent.kept.items() for _, f in kept]
+    calibration = learned.calibration()
+    in_sample = calibration.distance(torch.stack([f for _, f in rows]))
+    assert float(in_sample.mean()) < float(scores.mean())
+    position = int((scores - in_sample).argmax())  # one whose own class is its nearest
+    label, features = rows[position][0], rows[position][1][None]
+    without = copy.deepcopy(head)
+    without.remove(features, torch.tensor([label]))
+    out_of_sample = replace(calibration, means=unit_means(without.sums, without.counts, learned.num_classes))
+    assert float(out_of_sample.distance(features)) == pytest.approx(float(scores[position]), abs=1e-4)
+    assert float(in_sample[position]) < float(scores[position])
+    assert calibration.threshold is not None and calibration.held < len(recent)
+
+
+def test_a_relabelled_sample_leaves_the_class_it_was_kept_under():
+    from learner.heads.recent_features import RecentFeatures
+
+    recent = RecentFeatures(total=6, min_per_class=1)
+    recent.keep(torch.eye(3).repeat(2, 1), torch.tensor([0, 1, 2, 0, 1, 2]), torch.arange(6))
+    recent.drop(4)
+    recent.drop(-1)  # no key was given: nothing to tell apart
+    assert [k for k, _ in recent.kept[1]] == [1] and len(recent) == 5
 
 
 def test_with_nothing_held_back_the_prior_keeps_the_first_answers_humble(encoded):

@@ -6,6 +6,8 @@
   `bias_correction` (a logit bias fitted on the memory): the heads besides the trained one.
 - `head_choice`: which head answers each class, as the stream measures it; `held_back`: the samples
   no head trains on that it may measure on instead.
+- `calibration`: probabilities that mean what they say, and "none of these"; `recent_features`: the latest
+  trained samples of each class, scored out of sample for its threshold.
 
 Imports `learner.networks` only.
 """

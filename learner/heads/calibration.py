@@ -16,11 +16,13 @@ Split CIFAR-10, ten images into each class, the rule counted over every sample l
 
 "None of these" scores how unlike every learned class an image is: its distance to the nearest class mean of the
 frozen features (1 - cosine similarity to the unit-norm means of streaming LDA's classes), standardised by its mean
-and spread on the held-back samples; without frozen features (from scratch), the served answer's lack of confidence
-(1 - its top probability). Over 15 held-out classes of three sets the distance told a photo of another world better
-than the lack of confidence or their sum (15 of 15), and a new class of the same kind of photo not measurably worse
-than the sum (docs/results/calibration.md). An image is `unknown` past the score's (1 - false_alarm) quantile on the
-held-back samples: about `false_alarm` of the photos of known classes are flagged.
+and spread on known classes' samples scored out of sample: the held-back samples, and with the distance the latest
+trained samples of each class, each against its class's mean without it (`learner.heads.recent_features`); without
+frozen features (from scratch), the served answer's lack of confidence (1 - its top probability) on the held-back
+samples. Over 15 held-out classes of three sets the distance told a photo of another world better than the lack of
+confidence or their sum (15 of 15), and a new class of the same kind of photo not measurably worse than the sum
+(docs/results/calibration.md). An image is `unknown` past the score's (1 - false_alarm) quantile on those samples:
+about `false_alarm` of the photos of known classes are flagged.
 
 Everything a `Calibration` computes is tensor operations only: the ONNX snapshot carries it in its graph.
 
@@ -106,9 +108,9 @@ class Calibration:
         return (1 - self.floor) * probabilities + self.floor * live / live.sum().clamp_min(1.0)
 
     def unknown_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
-        """How unlike every learned class each image is, in standard deviations of the held-back samples' scores
-        from their mean: the distance of its frozen features to the nearest class mean, or without them its
-        calibrated probabilities' lack of confidence."""
+        """How unlike every learned class each image is, in standard deviations of known classes' scores out of
+        sample from their mean (`fit`): the distance of its frozen features to the nearest class mean, or without
+        them its calibrated probabilities' lack of confidence."""
         return (self.raw_score(probabilities, frozen) - self.center) / self.scale
 
     def raw_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,19 +130,22 @@ class Calibration:
     @classmethod
     def fit(cls, logits: torch.Tensor, labels: torch.Tensor, offered: int, live: torch.Tensor,
             frozen: torch.Tensor | None = None, means: torch.Tensor | None = None,
-            false_alarm: float = FALSE_ALARM, prior: float = PRIOR_TEMPERATURE) -> "Calibration":
+            false_alarm: float = FALSE_ALARM, prior: float = PRIOR_TEMPERATURE,
+            known: torch.Tensor | None = None) -> "Calibration":
         """Fitted on held-back samples (their served logits and labels, their frozen features, and the class means:
         both or neither), `offered` samples after the newest of the `live` classes arrived; `prior`: the
-        temperature's prior (`fit_temperature`)."""
+        temperature's prior (`fit_temperature`); `known`: more known classes' `distance`s taken out of sample
+        (`learner.heads.recent_features`), which the score's scale and threshold take in beside the held-back ones."""
         fitted = cls(fit_temperature(logits, labels, prior), 1 / (offered + 2), live, means, false_alarm=false_alarm,
                      held=len(labels))
         if len(labels) < MIN_FOR_THRESHOLD:
             return fitted
-        probabilities = fitted.probabilities(logits.float())
-        raw = fitted.raw_score(probabilities, frozen)
-        fitted = replace(fitted, center=float(raw.mean()), scale=max(float(raw.std()), 1e-6))
-        scores = fitted.unknown_score(probabilities, frozen)
-        return replace(fitted, threshold=float(torch.quantile(scores, 1 - false_alarm)))
+        raw = fitted.raw_score(fitted.probabilities(logits.float()), frozen)
+        if known is not None and means is not None and frozen is not None:
+            raw = torch.cat([raw, known.float()])
+        center, scale = float(raw.mean()), max(float(raw.std()), 1e-6)
+        threshold = float(torch.quantile((raw - center) / scale, 1 - false_alarm))
+        return replace(fitted, center=center, scale=scale, threshold=threshold)
 
     def summary(self) -> dict:
         return {"temperature": round(self.temperature, 4), "floor": round(self.floor, 6), "held_back": self.held,

@@ -28,6 +28,7 @@ from ..heads.calibration import (
 from ..heads.ema import WeightAverage
 from ..heads.head_choice import HeadChoice
 from ..heads.held_back import HeldBack
+from ..heads.recent_features import RecentFeatures
 from ..heads.serving import Serving
 from ..heads.streaming_lda import LinearHead, make_head
 from ..memory.buffer import record_admitted, rows_of
@@ -146,6 +147,8 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         self.confirmed: set[int] = set()  # keys of samples a person said are labelled right: never suspects
         self._own_held = HeldBack() if calibrate and (self.head_choice is None or self.head_choice.held is None) \
             else None
+        # more out-of-sample scores for "none of these"'s threshold than the held-back samples give
+        self.recent_features = RecentFeatures() if calibrate and self.stream_head is not None else None
         self._calibration: tuple | None = None  # (the solved head and the counts it was fitted at, the Calibration)
         # a sleep (`learner.methods.sleep`) trains the top over the latents of every sample trained on while idle
         self.sleeper = Sleeper(sleep, self.backbone.stored_shape, self.backbone.stored_dtype == torch.uint8, seed,
@@ -312,8 +315,10 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                                         self.held_top_probabilities() if reads_top else None).cpu()
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
+        known = None if self.recent_features is None else \
+            self.recent_features.distances(self.stream_head.sums, self.stream_head.counts, self.num_classes)
         return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
-                               self._calibration_prior(reads_top))
+                               self._calibration_prior(reads_top), known)
 
     def _calibration_prior(self, reads_top: bool) -> float:
         """The temperature's prior for what is served: the trained top's fitted log-probabilities, streaming LDA, or,
@@ -350,9 +355,12 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             if keys is not None:
                 self.kept_out.update(keys[~keep.cpu()].tolist())
             frozen, labels = frozen[keep], labels[keep]
+            keys = keys[keep.cpu()] if keys is not None else None
             if not labels.numel():
                 return
         self.stream_head.update(frozen, labels)
+        if self.recent_features is not None:
+            self.recent_features.keep(frozen, labels, keys)
 
     def _keep_for_sleep(self, stored: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         if self.sleeper is not None:
@@ -576,6 +584,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             **({"solved_head": {"counts": self._solved[0], **asdict(self._solved[1])}} if self._solved else {}),
             **({"head_choice": self.head_choice.state_dict()} if self.head_choice is not None else {}),
             **({"held_back": self._own_held.state_dict()} if self._own_held is not None else {}),
+            **({"recent_features": self.recent_features.state_dict()} if self.recent_features is not None else {}),
             **({"sleeper": self.sleeper.state_dict()} if self.sleeper is not None else {}),
             # plain SGD keeps no state; Adam's moments go on where the learner resumes
             **({"optimizer": {"kind": self.optimizer_name, "state": self.optimizer.state_dict()}}
@@ -610,6 +619,8 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             self.head_choice.load_state_dict(state["head_choice"])
         if self._own_held is not None and "held_back" in state:
             self._own_held.load_state_dict(state["held_back"])
+        if self.recent_features is not None:  # a state from before them: none kept yet
+            self.recent_features.load_state_dict(state.get("recent_features", {}))
         self._calibration = None
         if self.sleeper is not None and "sleeper" in state:
             self.sleeper.load_state_dict(state["sleeper"])

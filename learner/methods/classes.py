@@ -37,6 +37,8 @@ class HeadClasses:
             self.head_choice.forget(class_id)
         if self._own_held is not None:
             self._own_held.forget(class_id)
+        if self.recent_features is not None:
+            self.recent_features.forget(class_id)
         if self.sleeper is not None:
             self.sleeper.forget(class_id)
         self.version += 1

@@ -87,6 +87,8 @@ class SampleCorrections:
                 self.stream_head.remove(features, torch.tensor([old_class]))
             if new_class is not None:
                 self.stream_head.update(features, torch.tensor([new_class]))
+            if self.recent_features is not None:  # kept under the class it left
+                self.recent_features.drop(key)
             self._solved = None
         if slot is not None:
             if new_class is None:
