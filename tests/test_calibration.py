@@ -103,7 +103,8 @@ def test_trained_samples_are_scored_against_their_class_mean_without_them(learne
     out_of_sample = replace(calibration, means=unit_means(without.sums, without.counts, learned.num_classes))
     assert float(out_of_sample.distance(features)) == pytest.approx(float(scores[position]), abs=1e-4)
     assert float(in_sample[position]) < float(scores[position])
-    assert calibration.threshold is not None and calibration.held < len(recent)
+    assert calibration.threshold is not None
+    assert calibration.summary()["threshold_samples"] == calibration.held + len(recent)
 
 
 def test_a_relabelled_sample_leaves_the_class_it_was_kept_under():

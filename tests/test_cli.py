@@ -170,6 +170,7 @@ def test_a_photo_of_no_learned_class_is_none_of_these(server, folders, tmp_path)
     st = settled(server)
     assert st["config"]["calibrate"] and st["calibration"]["held_back"] == 21
     assert st["calibration"]["temperature"] > 0 and st["calibration"]["unknown_threshold"] is not None
+    assert st["calibration"]["threshold_samples"] > st["calibration"]["held_back"]  # the trained samples' too
     photos = tmp_path / "photos"
     photos.mkdir()
     for name in ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",

@@ -97,6 +97,7 @@ class Calibration:
     threshold: float | None = None  # "none of these" past this score (None: too few held back to say)
     false_alarm: float = FALSE_ALARM
     held: int = 0  # held-back samples it was fitted on
+    scored: int = 0  # known classes' scores out of sample the threshold rests on (held-back and `known`)
 
     def probabilities(self, logits: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(logits / temperature), `floor` of it spread over the live classes (`live`: a mask of the logits'
@@ -145,9 +146,10 @@ class Calibration:
             raw = torch.cat([raw, known.float()])
         center, scale = float(raw.mean()), max(float(raw.std()), 1e-6)
         threshold = float(torch.quantile((raw - center) / scale, 1 - false_alarm))
-        return replace(fitted, center=center, scale=scale, threshold=threshold)
+        return replace(fitted, center=center, scale=scale, threshold=threshold, scored=len(raw))
 
     def summary(self) -> dict:
         return {"temperature": round(self.temperature, 4), "floor": round(self.floor, 6), "held_back": self.held,
                 "false_alarm": self.false_alarm,
-                "unknown_threshold": None if self.threshold is None else round(self.threshold, 4)}
+                "unknown_threshold": None if self.threshold is None else round(self.threshold, 4),
+                "threshold_samples": self.scored}

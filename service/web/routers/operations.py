@@ -68,6 +68,9 @@ class Calibrated(BaseModel):
                                "(ASER_UNKNOWN_FALSE_ALARM)")
     unknown_threshold: float | None = Field(description="an image whose unknown_score passes it is unknown (null: "
                                             "too few held back to say, nothing is called unknown)")
+    threshold_samples: int = Field(0, description="known classes' samples scored out of sample that the threshold "
+                                   "and the score's scale rest on: the held-back ones and the latest trained ones of "
+                                   "each class (0: no threshold yet)")
 
 
 class Lag(BaseModel):
