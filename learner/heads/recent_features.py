@@ -64,17 +64,22 @@ class RecentFeatures:
 
     def distances(self, sums: torch.Tensor, counts: torch.Tensor, num_classes: int) -> torch.Tensor:
         """1 - the cosine similarity of each kept sample to the nearest class mean, its own class's mean taken
-        without it (`Calibration.distance`'s score, out of sample); a sample alone in its class has no mean there."""
-        rows = [(c, f) for c, d in self.kept.items() if c < num_classes for _, f in d]
-        if not rows:
-            return torch.zeros(0)
-        labels = torch.tensor([c for c, _ in rows])
-        x = torch.stack([f for _, f in rows]).double()
-        cosine = F.normalize(x.float(), dim=1) @ unit_means(sums, counts, num_classes).T
-        rest = counts[labels] - 1
-        own = F.normalize(((sums[labels] - x) / rest.clamp_min(1)[:, None]).float(), dim=1)
-        cosine[torch.arange(len(rows)), labels] = torch.where(rest > 0, (F.normalize(x.float(), dim=1) * own).sum(1),
-                                                             torch.zeros(len(rows)))
+        without it (`Calibration.distance`'s score, out of sample); a sample alone in its class has no mean there.
+        A class at a time: a fit's extra memory is one class's samples, not all of them in float64."""
+        means = unit_means(sums, counts, num_classes)
+        parts = [self._class_distances(c, kept, sums, counts, means)
+                 for c, kept in self.kept.items() if c < num_classes and kept]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    @staticmethod
+    def _class_distances(c: int, kept: deque, sums: torch.Tensor, counts: torch.Tensor,
+                         means: torch.Tensor) -> torch.Tensor:
+        x = torch.stack([f for _, f in kept]).float()
+        unit = F.normalize(x, dim=1)
+        cosine = unit @ means.T
+        rest = float(counts[c]) - 1
+        own = F.normalize(((sums[c] - x.double()) / rest).float(), dim=1) if rest > 0 else torch.zeros_like(x)
+        cosine[:, c] = (unit * own).sum(1)
         return 1 - cosine.max(1).values
 
     def drop(self, key: int) -> None:
