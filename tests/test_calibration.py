@@ -91,7 +91,7 @@ def test_trained_samples_are_scored_against_their_class_mean_without_them(learne
     recent, head = learned.recent_features, learned.stream_head
     assert sorted(recent.kept) == list(range(6))  # under its budget, every sample streaming LDA took in
     assert all(len(kept) == int(head.counts[c]) <= recent.per_class for c, kept in recent.kept.items())
-    scores = recent.distances(head.sums, head.counts, learned.num_classes)
+    scores = recent.distances(head.sums, head.counts, unit_means(head.sums, head.counts, learned.num_classes))
     rows = [(c, f.float()) for c, kept in recent.kept.items() for _, f in kept]
     calibration = learned.calibration()
     in_sample = calibration.distance(torch.stack([f for _, f in rows]))

@@ -18,7 +18,9 @@ class) and scores them so.
 (4, 2)
 >>> sums = torch.zeros(2, 2, dtype=torch.float64).index_add_(0, y, x.double())
 >>> counts = torch.bincount(y).double()
->>> [round(d, 3) for d in recent.distances(sums, counts, 2).tolist()]  # each from the rest of its class
+>>> from learner.heads.calibration import unit_means
+>>> means = unit_means(sums, counts, 2)
+>>> [round(d, 3) for d in recent.distances(sums, counts, means).tolist()]  # each from the rest of its class
 [0.03, 0.03, 0.002, 0.043]
 """
 
@@ -28,8 +30,6 @@ from collections import deque
 
 import torch
 from torch.nn import functional as F
-
-from .calibration import unit_means
 
 TOTAL = 1000  # samples kept over all classes: 2.6 MB of 1,280 features in fp16
 MIN_PER_CLASS = 10  # where many classes share them
@@ -62,13 +62,13 @@ class RecentFeatures:
         n = self.per_class
         self.kept = {c: deque(list(d)[-n:], maxlen=n) for c, d in self.kept.items()}
 
-    def distances(self, sums: torch.Tensor, counts: torch.Tensor, num_classes: int) -> torch.Tensor:
-        """1 - the cosine similarity of each kept sample to the nearest class mean, its own class's mean taken
-        without it (`Calibration.distance`'s score, out of sample); a sample alone in its class has no mean there.
-        A class at a time: a fit's extra memory is one class's samples, not all of them in float64."""
-        means = unit_means(sums, counts, num_classes)
+    def distances(self, sums: torch.Tensor, counts: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+        """1 - the cosine similarity of each kept sample to the nearest class mean (`means`: `unit_means` of the class
+        `sums` and `counts`, as the calibration has them), its own class's mean taken without it
+        (`Calibration.distance`'s score, out of sample); a sample alone in its class has no mean there. A class at a
+        time: a fit's extra memory is one class's samples, not all of them in float64."""
         parts = [self._class_distances(c, kept, sums, counts, means)
-                 for c, kept in self.kept.items() if c < num_classes and kept]
+                 for c, kept in self.kept.items() if c < len(means) and kept]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     @staticmethod

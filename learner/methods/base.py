@@ -316,7 +316,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
         known = None if self.recent_features is None else \
-            self.recent_features.distances(self.stream_head.sums, self.stream_head.counts, self.num_classes)
+            self.recent_features.distances(self.stream_head.sums, self.stream_head.counts, means)
         return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
                                self._calibration_prior(reads_top), known)
 
