@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def jpegs():
+    """Real CIFAR-10 JPEG files: 20 airplanes, 20 frogs."""
+    with zipfile.ZipFile(CIFAR10_ZIP) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".jpg") and n.startswith("cifar10/train/"))
+        pick = [n for n in names if "/airplane/" in n][:20] + [n for n in names if "/frog/" in n][:20]
+        return [(n.split("/")[2], z.read(n)) for n in pick]
 
 
 @pytest.fixture(scope="session")

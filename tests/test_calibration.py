@@ -90,9 +90,9 @@ def test_trained_samples_are_scored_against_their_class_mean_without_them(learne
 
     recent, head = learned.recent_features, learned.stream_head
     assert sorted(recent.kept) == list(range(6))  # under its budget, every sample streaming LDA took in
-    assert all(len(kept) == int(head.counts[c]) <= recent.per_class for c, kept in recent.kept.items())
+    assert all(len(recent.keys(c)) == int(head.counts[c]) <= recent.per_class for c in recent.kept)
     scores = recent.distances(head.sums, head.counts, unit_means(head.sums, head.counts, learned.num_classes))
-    rows = [(c, f.float()) for c, kept in recent.kept.items() for _, f in kept]
+    rows = [(c, f.float()) for c in recent.kept for f in recent.features(c)]
     calibration = learned.calibration()
     in_sample = calibration.distance(torch.stack([f for _, f in rows]))
     assert float(in_sample.mean()) < float(scores.mean())
@@ -114,7 +114,25 @@ def test_a_relabelled_sample_leaves_the_class_it_was_kept_under():
     recent.keep(torch.eye(3).repeat(2, 1), torch.tensor([0, 1, 2, 0, 1, 2]), torch.arange(6))
     recent.drop(4)
     recent.drop(-1)  # no key was given: nothing to tell apart
-    assert [k for k, _ in recent.kept[1]] == [1] and len(recent) == 5
+    assert recent.keys(1) == [1] and len(recent) == 5
+    assert torch.equal(recent.features(1), torch.eye(3)[1:2].half())
+
+
+def test_the_latest_samples_of_a_class_survive_a_new_class_and_a_restart_in_order():
+    from learner.heads.recent_features import RecentFeatures
+
+    recent = RecentFeatures(total=6, min_per_class=1)
+    rows = torch.arange(10.0)[:, None].repeat(1, 2)
+    recent.keep(rows[:5], torch.zeros(5, dtype=torch.long), torch.arange(5))  # a ring of 6: nothing goes
+    recent.keep(rows[5:9], torch.tensor([0, 0, 1, 1]), torch.arange(5, 9))  # a second class: 3 each, the latest
+    assert recent.keys(0) == [4, 5, 6] and recent.keys(1) == [7, 8]
+    recent.keep(rows[9:], torch.tensor([0]), torch.tensor([9]))  # around the ring
+    assert recent.keys(0) == [5, 6, 9] and recent.features(0)[:, 0].tolist() == [5.0, 6.0, 9.0]
+    again = RecentFeatures(total=6, min_per_class=1)
+    again.load_state_dict(recent.state_dict())
+    assert again.keys(0) == [5, 6, 9] and torch.equal(again.features(0), recent.features(0))
+    again.keep(rows[:1], torch.tensor([1]), torch.tensor([0]))
+    assert again.keys(1) == [7, 8, 0] and len(again) == 6
 
 
 def test_with_nothing_held_back_the_prior_keeps_the_first_answers_humble(encoded):

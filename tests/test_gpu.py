@@ -13,7 +13,7 @@ import torch
 
 from learner import make_learner
 
-from .test_service import Server, b64, jpegs, status, wait_trained  # noqa: F401  (jpegs: a fixture)
+from .test_service import Server, b64, status, wait_trained
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

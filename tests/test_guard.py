@@ -9,7 +9,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from .test_service import Server, b64, jpegs, status  # noqa: F401  (jpegs: a fixture)
+from .test_service import Server, b64, status
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import service
 from service.storage.durable import write_durably
 
-from .test_service import Server, b64, jpegs, status, wait_trained  # noqa: F401  (jpegs: a fixture)
+from .test_service import Server, b64, status, wait_trained
 
 TIMEOUT = 60  # what the server may take on a busy machine (a step, a commit under load)
 

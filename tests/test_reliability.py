@@ -27,7 +27,7 @@ from service.storage.snapshots import SnapshotStore
 from service.storage.store import IngestLog, NewSample
 
 from .conftest import CIFAR10_ZIP
-from .test_service import Server, jpegs, status, wait_trained  # noqa: F401  (jpegs is a fixture)
+from .test_service import Server, status, wait_trained
 
 
 def b64(data: bytes) -> str:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-import zipfile
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ from PIL import Image
 import service
 from clients.bench.live.local_service import LocalService
 
-from .conftest import CIFAR10_ZIP, ROOT
+from .conftest import ROOT
 
 
 class Server(LocalService):
@@ -32,15 +31,6 @@ class Server(LocalService):
                                     "ASER_BACKBONE": "scratch",
                                     **{f"ASER_{k.upper()}": str(v) for k, v in env.items()}},
                          module=module, ready_path=ready_path)
-
-
-@pytest.fixture(scope="module")
-def jpegs():
-    """Real CIFAR-10 JPEG files: 20 airplanes, 20 frogs."""
-    with zipfile.ZipFile(CIFAR10_ZIP) as z:
-        names = sorted(n for n in z.namelist() if n.endswith(".jpg") and n.startswith("cifar10/train/"))
-        pick = [n for n in names if "/airplane/" in n][:20] + [n for n in names if "/frog/" in n][:20]
-        return [(n.split("/")[2], z.read(n)) for n in pick]
 
 
 @pytest.fixture(scope="module")

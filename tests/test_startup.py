@@ -13,7 +13,7 @@ import pytest
 from service.settings import Settings
 
 from .conftest import ROOT
-from .test_service import Server, b64, jpegs, wait_trained  # noqa: F401  (jpegs: a fixture)
+from .test_service import Server, wait_trained
 
 
 def run_service(tmp_path, *args, **env):

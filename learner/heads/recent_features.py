@@ -14,8 +14,8 @@ class) and scores them so.
 >>> x = torch.tensor([[1.0, 0.0], [0.8, 0.2], [0.0, 1.0], [0.2, 0.8], [0.3, 0.7]])
 >>> y = torch.tensor([0, 0, 1, 1, 1])
 >>> recent.keep(x, y)
->>> len(recent), recent.per_class  # two a class: class 1's oldest went
-(4, 2)
+>>> len(recent), recent.per_class, recent.keys(1)  # two a class: class 1's oldest went
+(4, 2, [-1, -1])
 >>> sums = torch.zeros(2, 2, dtype=torch.float64).index_add_(0, y, x.double())
 >>> counts = torch.bincount(y).double()
 >>> from learner.heads.calibration import unit_means
@@ -26,8 +26,6 @@ class) and scores them so.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from torch.nn import functional as F
 
@@ -35,46 +33,86 @@ TOTAL = 1000  # samples kept over all classes: 2.6 MB of 1,280 features in fp16
 MIN_PER_CLASS = 10  # where many classes share them
 
 
+class ClassRing:
+    """One class's latest samples in one preallocated block (a ring): a thousand rows allocated apart would be a
+    thousand small blocks spread over the C heap for the life of the process."""
+
+    def __init__(self, capacity: int, dim: int):
+        self.rows = torch.zeros(capacity, dim, dtype=torch.float16)
+        self.row_keys = [-1] * capacity
+        self.size = self.next = 0
+
+    def push(self, features: torch.Tensor, key: int) -> None:
+        self.rows[self.next], self.row_keys[self.next] = features, key
+        self.next = (self.next + 1) % len(self.rows)
+        self.size = min(self.size + 1, len(self.rows))
+
+    def order(self) -> list[int]:
+        """The filled rows, oldest first."""
+        start = self.next if self.size == len(self.rows) else 0
+        return [(start + i) % len(self.rows) for i in range(self.size)]
+
+    def keys(self) -> list[int]:
+        return [self.row_keys[i] for i in self.order()]
+
+    def features(self) -> torch.Tensor:
+        return self.rows[self.order()]  # a copy, oldest first
+
+    @classmethod
+    def of(cls, keys: list[int], features: torch.Tensor, capacity: int) -> ClassRing:
+        """A ring holding the latest `capacity` of these (oldest first)."""
+        ring = cls(capacity, features.shape[1])
+        for key, row in zip(keys[-capacity:], features[-capacity:]):
+            ring.push(row, key)
+        return ring
+
+
 class RecentFeatures:
     def __init__(self, total: int = TOTAL, min_per_class: int = MIN_PER_CLASS):
         self.total, self.min_per_class = total, min_per_class
-        self.kept: dict[int, deque] = {}  # class -> (the caller's key or -1, frozen features in fp16), oldest first
+        self.kept: dict[int, ClassRing] = {}  # class -> its latest samples' keys (the caller's or -1) and features
 
     @property
     def per_class(self) -> int:
-        return max(self.min_per_class, self.total // max(1, len(self.kept)))
+        return self._capacity(len(self.kept))
+
+    def _capacity(self, classes: int) -> int:
+        return max(self.min_per_class, self.total // max(1, classes))
 
     def __len__(self) -> int:
-        return sum(len(d) for d in self.kept.values())
+        return sum(ring.size for ring in self.kept.values())
+
+    def keys(self, class_id: int) -> list[int]:
+        return self.kept[class_id].keys() if class_id in self.kept else []
+
+    def features(self, class_id: int) -> torch.Tensor:
+        return self.kept[class_id].features()
 
     def keep(self, frozen: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """Samples streaming LDA's class sums have just taken in (the same features)."""
         labels = labels.cpu().tolist()
         keys = [-1] * len(labels) if keys is None else keys.cpu().tolist()
-        if any(c not in self.kept for c in labels):
-            for c in labels:
-                self.kept.setdefault(c, deque())
-            self._resize()
+        new = sorted(set(labels) - set(self.kept))
+        if new:
+            n = self._capacity(len(self.kept) + len(new))
+            self.kept = {c: ClassRing.of(ring.keys(), ring.features(), n) for c, ring in self.kept.items()}
+            self.kept.update({c: ClassRing(n, frozen.shape[1]) for c in new})
         for features, label, key in zip(frozen.detach().to("cpu", torch.float16), labels, keys):
-            self.kept[label].append((key, features.clone()))  # a row of its own: a view would keep its whole batch
-
-    def _resize(self) -> None:
-        n = self.per_class
-        self.kept = {c: deque(list(d)[-n:], maxlen=n) for c, d in self.kept.items()}
+            self.kept[label].push(features, key)
 
     def distances(self, sums: torch.Tensor, counts: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
         """1 - the cosine similarity of each kept sample to the nearest class mean (`means`: `unit_means` of the class
         `sums` and `counts`, as the calibration has them), its own class's mean taken without it
         (`Calibration.distance`'s score, out of sample); a sample alone in its class has no mean there. A class at a
         time: a fit's extra memory is one class's samples, not all of them in float64."""
-        parts = [self._class_distances(c, kept, sums, counts, means)
-                 for c, kept in self.kept.items() if c < len(means) and kept]
+        parts = [self._class_distances(c, ring.features(), sums, counts, means)
+                 for c, ring in self.kept.items() if c < len(means) and ring.size]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     @staticmethod
-    def _class_distances(c: int, kept: deque, sums: torch.Tensor, counts: torch.Tensor,
+    def _class_distances(c: int, x: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
                          means: torch.Tensor) -> torch.Tensor:
-        x = torch.stack([f for _, f in kept]).float()
+        x = x.float()
         unit = F.normalize(x, dim=1)
         cosine = unit @ means.T
         rest = float(counts[c]) - 1
@@ -86,16 +124,19 @@ class RecentFeatures:
         """A sample whose label a person changed (its class sums changed with it)."""
         if key < 0:  # samples kept without a key cannot be told apart
             return
-        for c, d in self.kept.items():
-            if any(k == key for k, _ in d):
-                self.kept[c] = deque(((k, f) for k, f in d if k != key), maxlen=d.maxlen)
+        for c, ring in self.kept.items():
+            keys = ring.keys()
+            if key in keys:
+                kept = [i for i, k in enumerate(keys) if k != key]
+                self.kept[c] = ClassRing.of([keys[i] for i in kept], ring.features()[kept], len(ring.rows))
 
     def forget(self, class_id: int) -> None:
         self.kept.pop(class_id, None)
 
     def state_dict(self) -> dict:
-        return {c: ([k for k, _ in d], torch.stack([f for _, f in d])) for c, d in self.kept.items() if d}
+        return {c: (ring.keys(), ring.features()) for c, ring in self.kept.items() if ring.size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.kept = {int(c): deque(zip(keys, features)) for c, (keys, features) in state.items()}
-        self._resize()
+        n = self._capacity(len(state))
+        self.kept = {int(c): ClassRing.of(list(keys), features.to(torch.float16), n)
+                     for c, (keys, features) in state.items()}
