@@ -124,6 +124,7 @@ class Sleeper:
             report.yielded, self.owed = True, budget
             return report
         self.current = report
+        learner.backbone.release_buffers()  # the pixels' buffers out before the batches' activations come in
         try:
             self._train(learner, report, new, should_yield)
         finally:

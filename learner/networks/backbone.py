@@ -80,6 +80,9 @@ class ScratchBackbone:
         """uint8 pixels -> `net`'s features, as one module (what an ONNX snapshot holds)."""
         return ScaledPixelFeatures(net)
 
+    def release_buffers(self) -> None:
+        """Nothing to give back: the pixels are the stored form, no runtime keeps buffers between runs."""
+
     def identity(self) -> dict:
         return {"backbone": self.name}
 
@@ -255,6 +258,10 @@ class PretrainedBackbone:
         `net` the frozen network's own pooled features (what the streaming heads read), as one module;
         `frozen_too`: both, (the top's, the frozen network's), from one pass of the frozen part."""
         return LatentPixelFeatures(self.frozen, self.cut, self.latent_bits, net, frozen_too)
+
+    def release_buffers(self) -> None:
+        """What the frozen part's runtime keeps between runs, back to the system (`FrozenGraphs.release_buffers`)."""
+        self.graphs.release_buffers()
 
     @torch.no_grad()
     def frozen_features(self, stored: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,20 @@ class FrozenGraphs:
                                 lambda: self.frozen.latent_shape(self.cut), 1)
         return _run_latents(session, latent)
 
+    def release_buffers(self) -> None:
+        """Give back what the pixels' session keeps from its largest run (its arena: about 30 MB after runs of 10
+        images at 160 px), by a run of one blank image that shrinks it: before a sleep, whose batches want the memory
+        and which runs no pixels (docs/results/sleep.md). The next run of 10 grows it again."""
+        import onnxruntime as ort
+
+        shrink = ort.RunOptions()
+        shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        blank = np.zeros((1, 3, self.frozen.input_size, self.frozen.input_size), np.float32)
+        for key, session in list(self._sessions.items()):
+            if key != "upper":  # the stored latents' session keeps no arena
+                session.run(None, {"x": blank}, shrink)
+        trim_heap()
+
     def _session(self, key, module, shape, outputs: int):
         """The session `key`, built at first use from `module()` on inputs of `shape()` a sample."""
         if key not in self._sessions:
