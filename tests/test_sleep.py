@@ -212,6 +212,23 @@ def test_a_yielded_sleep_owes_the_rest_and_a_state_round_trip_goes_on_alike(euro
     assert all(torch.equal(v, twin.model.state_dict()[k]) for k, v in learner.model.state_dict().items())
 
 
+def test_a_reader_that_sees_the_sleep_end_sees_its_report(eurosat_latents, streamed):
+    """/status reads `current` (sleeping or awake) and `last` from another thread: awake with no report of the sleep
+    that just ended would read as a sleep that never happened."""
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=1)
+    seen_at_waking = []
+
+    class Watched(type(learner.sleeper)):
+        def __setattr__(self, name, value):
+            if name == "current" and value is None and getattr(self, "current", None) is not None:
+                seen_at_waking.append((self.sleeps, self.last))
+            super().__setattr__(name, value)
+
+    learner.sleeper.__class__ = Watched
+    report = learner.sleep(budget=64)
+    assert seen_at_waking == [(1, report.as_dict())]
+
+
 def test_forgetting_a_class_empties_its_latents(eurosat_latents, streamed):
     learner = after_the_stream(eurosat_latents[1], streamed, epochs=1)
     learner.forget_class(2)

@@ -127,13 +127,13 @@ class Sleeper:
         learner.backbone.release_buffers()  # the pixels' buffers out before the batches' activations come in
         try:
             self._train(learner, report, new, should_yield)
+            self.sleeps += 1
+            self.updates += report.updates
+            self.cpu_seconds += report.cpu_seconds
+            self.reports = [*self.reports[-(KEPT_REPORTS - 1):], report.as_dict()]
         finally:
-            self.current = None
+            self.current = None  # awake only once the report is in: a reader never sees the sleep ended unreported
             trim_heap()  # the batches' activations freed: back to the system, not kept by the C heap
-        self.sleeps += 1
-        self.updates += report.updates
-        self.cpu_seconds += report.cpu_seconds
-        self.reports = [*self.reports[-(KEPT_REPORTS - 1):], report.as_dict()]
         return report
 
     def _train(self, learner, report: SleepReport, new: torch.Tensor, should_yield) -> None:
