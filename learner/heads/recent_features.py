@@ -62,8 +62,9 @@ class ClassRing:
     def of(cls, keys: list[int], features: torch.Tensor, capacity: int) -> ClassRing:
         """A ring holding the latest `capacity` of these (oldest first)."""
         ring = cls(capacity, features.shape[1])
-        for key, row in zip(keys[-capacity:], features[-capacity:]):
-            ring.push(row, key)
+        n = min(capacity, len(keys))
+        ring.rows[:n], ring.row_keys[:n] = features[len(features) - n:], keys[len(keys) - n:]
+        ring.size, ring.next = n, n % capacity
         return ring
 
 

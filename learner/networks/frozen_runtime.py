@@ -239,22 +239,26 @@ class FrozenGraphs:
         shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         blank = np.zeros((1, 3, self.frozen.input_size, self.frozen.input_size), np.float32)
         for key, session in list(self._sessions.items()):
-            if key != "upper":  # the stored latents' session keeps no arena
+            if self._keeps_arena(key):
                 session.run(None, {"x": blank}, shrink)
         trim_heap()
+
+    @staticmethod
+    def _keeps_arena(key) -> bool:
+        """The pixels' sessions keep an arena (without it 1.6-5% more CPU here); the stored latents' pass, which a
+        sleep's top adds, none (docs/results/sleep.md)."""
+        return key != "upper"
 
     def _session(self, key, module, shape, outputs: int):
         """The session `key`, built at first use from `module()` on inputs of `shape()` a sample."""
         if key not in self._sessions:
             with self._lock:
                 if key not in self._sessions:
-                    # an arena for the part every image runs (without it 1.6-5% more CPU here); none for the
-                    # stored latents' passes, which a sleep's top adds (docs/results/sleep.md)
                     name = (f"lite0-{self.frozen.weights_sha256[:16]}-{self.frozen.input_size}px-cut{self.cut}-"
                             + "-".join(map(str, key if isinstance(key, tuple) else (key,))))
                     self._sessions[key] = cached_session(
                         name, lambda: onnx_graph_apart(module(), torch.zeros(2, *shape()), outputs),
-                        lambda graph: session_of(graph, arena=key != "upper"))
+                        lambda graph: session_of(graph, arena=self._keeps_arena(key)))
                     trim_heap()  # the graph's bytes, read or exported, back to the system
         return self._sessions[key]
 
