@@ -236,9 +236,10 @@ class ServiceClient:
         """Forget one sample for good (admin); asked again, the same answer (safe to retry)."""
         return self._json("DELETE", f"/samples/{int(seq)}", timeout=180)
 
-    def sleep(self) -> dict:
-        """With ASER_SLEEP (admin): train the top over what the service holds as soon as no sample waits."""
-        return self._json("POST", "/sleep", retry=False)
+    def sleep(self, fresh: bool = False) -> dict:
+        """With ASER_SLEEP (admin): train the top over what the service holds as soon as no sample waits; `fresh`:
+        from ImageNet's weights again, over everything held (offline training's CPU)."""
+        return self._json("POST", "/sleep" + ("?fresh=true" if fresh else ""), retry=False)
 
     def drain(self, timeout: float = 600, pause: float = 0.3) -> dict:
         """The status once the learner has trained on everything it received (backlog 0) and

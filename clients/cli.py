@@ -7,7 +7,7 @@
     aser evaluate held-out/ [--onnx model.onnx] [--report report.md] [--confusion confusion.png]
     aser snapshot -o model.onnx
     aser status [--watch]
-    aser sleep                              # with ASER_SLEEP: train the top now
+    aser sleep [--fresh]                    # with ASER_SLEEP: train the top now (--fresh: from ImageNet's again)
     aser forget LABEL --yes
     aser suspects [--limit 20] [--recent N] [--json]  # the samples most likely mislabelled (ASER's values)
     aser relabel SEQ LABEL                  # a sample's right label
@@ -393,8 +393,9 @@ def correction_note(answer: dict) -> str:
 
 
 def cmd_sleep(args, client) -> int:
-    answer = client.sleep()
-    print(f"sleep requested: a budget of {answer['budget']} sample-updates over {answer['new_samples']} new samples")
+    answer = client.sleep(fresh=args.fresh)
+    what = "a fresh sleep (the top from ImageNet's weights again)" if answer["fresh"] else "a sleep"
+    print(f"{what} requested: a budget of {answer['budget']} sample-updates, {answer['new_samples']} new samples")
     return 0
 
 
@@ -450,7 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = command("forget", help="forget a class for good")
     f.add_argument("label")
     f.add_argument("--yes", action="store_true", help="yes, for good")
-    command("sleep", help="with ASER_SLEEP: train the top over what the device holds, now")
+    sl = command("sleep", help="with ASER_SLEEP: train the top over what the device holds, now")
+    sl.add_argument("--fresh", action="store_true",
+                    help="start the top again from ImageNet's weights and train it over everything held (the CPU of "
+                         "offline training)")
     su = command("suspects", help="the remembered samples most likely mislabelled, by ASER's values")
     su.add_argument("--limit", type=int, default=20)
     su.add_argument("--recent", type=int, default=0, metavar="N",

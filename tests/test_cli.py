@@ -153,8 +153,9 @@ def test_errors_are_one_line_and_an_exit_code(server, folders, tmp_path):
     assert "give --label" in aser("add", loose, url=server.url).stderr
     forget = aser("forget", "Highway", url=server.url)
     assert forget.returncode == 2 and "--yes" in forget.stderr
-    sleep = aser("sleep", url=server.url)
-    assert sleep.returncode == 1 and "sleep_off" in sleep.stderr
+    for fresh in ((), ("--fresh",)):
+        sleep = aser("sleep", *fresh, url=server.url)
+        assert sleep.returncode == 1 and "sleep_off" in sleep.stderr
 
 
 def test_a_photo_of_no_learned_class_is_none_of_these(server, folders, tmp_path):

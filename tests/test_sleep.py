@@ -212,6 +212,41 @@ def test_a_yielded_sleep_owes_the_rest_and_a_state_round_trip_goes_on_alike(euro
     assert all(torch.equal(v, twin.model.state_dict()[k]) for k, v in learner.model.state_dict().items())
 
 
+def test_a_fresh_sleep_trains_the_top_again_from_imagenets_weights_over_everything_held(eurosat_latents, streamed):
+    backbone = eurosat_latents[1]
+    learner = after_the_stream(backbone, streamed, epochs=1)
+    learner.forget_class(3)
+    learner.sleep(budget=64)
+    initial = backbone.make_model(learner.model.num_classes, 0).state_dict()
+    block = next(k for k in initial if k.startswith("blocks.") and k.endswith("weight"))
+    assert not torch.equal(learner.model.state_dict()[block], initial[block])  # the warm sleep moved the top
+    learner.restart_top(seed=5)
+    assert torch.equal(learner.model.state_dict()[block], initial[block])  # ImageNet's blocks again
+    assert torch.equal(learner.ema.model.state_dict()[block], initial[block])
+    assert bool((learner.model.head.bias[3] < -1e3).all())  # the forgotten class stays silent
+
+    learner = after_the_stream(backbone, streamed, epochs=1)
+    learner.sleep(budget=64)
+    assert learner.sleeper.budget() == 0 and learner.sleeper.budget(fresh=True) == len(learner.sleeper.store)
+    asked = iter([False, False, True])  # a fresh sleep that yields after a step is undone whole, and asked again
+    weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    undone = learner.sleep(fresh=True, should_yield=lambda: next(asked, True))
+    assert undone.fresh and undone.yielded and not undone.kept and undone.steps == 1
+    assert all(torch.equal(v, learner.model.state_dict()[k]) for k, v in weights.items())
+    assert learner.sleeper.fresh_asked and learner.head_choice.top_classes == {0, 1, 2, 3}
+    twin = sleeping_learner(backbone, epochs=1)
+    twin.load_state_dict(learner.state_dict())
+    assert twin.sleeper.fresh_asked  # a restart keeps the request
+    read, drawn = learner.sleeper._read, []
+    learner.sleeper._read = lambda learner, slots: drawn.append(slots) or read(learner, slots)
+    fresh = learner.sleep()  # the next sleep is the fresh one asked for: one shuffled pass in (b)'s batches of 10
+    held = len(learner.sleeper.store)
+    assert fresh.fresh and fresh.updates == fresh.budget == held and not learner.sleeper.fresh_asked
+    assert fresh.steps == -(-held // 10) and sorted(torch.cat(drawn).tolist()) == list(range(held))
+    assert fresh.kept and fresh.held_after >= fresh.held_before - 0.05
+    assert top_accuracy(learner, eurosat_latents[0]) > 0.8 and learner.head_choice.top_classes == {0, 1, 2, 3}
+
+
 def test_a_reader_that_sees_the_sleep_end_sees_its_report(eurosat_latents, streamed):
     """/status reads `current` (sleeping or awake) and `last` from another thread: awake with no report of the sleep
     that just ended would read as a sleep that never happened."""
@@ -336,6 +371,17 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         st = wait_for(server, lambda s: s["sleep"]["owed"] == 0 and s["sleep"]["state"] == "awake"
                       and s["sleep"]["new_samples"] == 0, "the sleep done after the restart")
         assert st["samples_trained"] == 540 and st["backlog"] == 0
+
+        # a fresh sleep on request: the top trained again from ImageNet's weights over everything the store holds
+        r = httpx.post(f"{server.url}/sleep", params={"fresh": "true"})
+        held = st["sleep"]["store"]["samples"]
+        assert r.status_code == 202 and r.json()["fresh"] and r.json()["budget"] == 8 * held
+        sleeps = st["sleep"]["sleeps"]
+        st = wait_for(server, lambda s: s["sleep"]["sleeps"] == sleeps + 1 and s["sleep"]["state"] == "awake",
+                      "the fresh sleep")
+        last = st["sleep"]["last"]
+        assert last["fresh"] and last["updates"] == 8 * held and not st["sleep"]["fresh_asked"]
+        assert last["kept"] or last["held_after"] < last["held_before"]  # undone only where shown worse
     finally:
         server.stop()
 

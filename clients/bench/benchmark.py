@@ -80,6 +80,9 @@ def cmd_run(args) -> int:
     if args.sleep_every and (args.stream_rate or args.via or args.method in IID_EPOCHS or args.sleep_every < 0):
         print("error: --sleep-every is for in-process streams on the ordinary protocol", file=sys.stderr)
         return 2
+    if args.fresh_sleep_at_end and not args.sleep_every:
+        print("error: --fresh-sleep-at-end needs a sleep schedule (--sleep-every)", file=sys.stderr)
+        return 2
     if args.calibrate_only:
         args.stream_rate = args.stream_rate or "1x"
         costs, rate = stream_costs(args, data, resolve_device(args.device))
@@ -297,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "is new since the last sleep (new-half)")
     run.add_argument("--sleep-store", type=int, default=100_000, metavar="N",
                      help="with --sleep-every: the latent store's capacity in samples (class-balanced eviction)")
+    run.add_argument("--fresh-sleep-at-end", action="store_true",
+                     help="with --sleep-every: after the stream's last sleep, one fresh sleep (the top started again "
+                          "from ImageNet's weights, --sleep-epochs passes over everything held), as a user asks for it")
     run.add_argument("--standardize-features", action="store_true",
                      help="with --backbone lite0 and a cut below the pooled one: the top's head reads its pooled "
                           "features standardised by running statistics (learner.networks.backbone.RunningStandardize)")

@@ -366,12 +366,25 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         if self.sleeper is not None:
             self.sleeper.store.add(stored, labels, keys)
 
-    def sleep(self, budget: int | None = None, should_yield=None):
+    def sleep(self, budget: int | None = None, should_yield=None, fresh: bool = False):
         """Train the top over what the device holds (`learner.methods.sleep`): `budget` sample-updates (by default
-        the sleep's epochs times the samples new since the last, plus what a yielded one owes); a `SleepReport`."""
+        the sleep's epochs times the samples new since the last, plus what a yielded one owes; `fresh`: the top
+        started again from its initial weights, the epochs over everything held); a `SleepReport`."""
         if self.sleeper is None:
             raise ValueError("this learner has no sleep: build it with sleep=SleepConfig(...)")
-        return self.sleeper.run(self, budget, should_yield)
+        return self.sleeper.run(self, budget, should_yield, fresh)
+
+    def restart_top(self, seed: int) -> None:
+        """The trained weights back to the backbone's initial ones (a pretrained top: ImageNet's, a new linear head
+        drawn from `seed`), the serving average with them; forgotten classes stay silent."""
+        initial = self.backbone.make_model(self.model.num_classes, seed)
+        self.model.load_state_dict(initial.state_dict())
+        if self.forgotten:
+            self._silence_forgotten()
+        if self.ema is not None:
+            self.ema.load_state_dict(None, self.model)
+        self._optimizer = None  # moments of the weights that are gone
+        self.weights_changed()
 
     def _observe(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
         raise NotImplementedError

@@ -120,6 +120,7 @@ class LearnerWorker:
         self.last_step_seconds = 0.0
         self.latent_store: DiskLatentStore | None = None  # a sleep's latents, on disk (made at the first load)
         self._sleep_asked = threading.Event()
+        self._fresh_asked = False  # the sleep asked for trains the top again from its initial weights
         self._busy_at = time.monotonic()  # when the worker last had samples to train: idle since
         self.recorder = HistoryRecorder(self.history, loop.history_every_steps)
         self.wakeup = threading.Event()
@@ -299,8 +300,10 @@ class LearnerWorker:
                 shape, eight_bit, backbone.identity(), self.spec.seed)
         learner.sleeper.store = self.latent_store
 
-    def request_sleep(self) -> None:
-        """Sleep as soon as nothing is waiting, however little is new."""
+    def request_sleep(self, fresh: bool = False) -> None:
+        """Sleep as soon as nothing is waiting, however little is new; `fresh`: the top trained again from its
+        initial weights over everything held."""
+        self._fresh_asked = self._fresh_asked or fresh
         self._sleep_asked.set()
         self.wakeup.set()
 
@@ -313,13 +316,15 @@ class LearnerWorker:
             return False
         s, asked = self.loop, self._sleep_asked.is_set()
         idle = time.monotonic() - self._busy_at >= s.sleep_idle_s
-        if not asked and not (idle and (sleeper.new_samples >= s.sleep_min_new or sleeper.owed)):
+        due = sleeper.new_samples >= s.sleep_min_new or sleeper.owed or sleeper.fresh_asked
+        if not asked and not (idle and due):
             return False
         self._sleep_asked.clear()
+        fresh, self._fresh_asked = self._fresh_asked, False
         self.consistent = False  # a failure or a kill mid-sleep restarts from the last checkpoint
         self.metrics.sleeping.set(1)
         try:
-            report = self.learner.sleep(should_yield=self._sleep_yields)
+            report = self.learner.sleep(should_yield=self._sleep_yields, fresh=fresh)
         finally:
             self.metrics.sleeping.set(0)
         self.consistent = True

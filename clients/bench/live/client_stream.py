@@ -9,7 +9,9 @@ the service serves (and its stream-measured choice), and the ONNX snapshot's par
 device sends R photos a second, ten at a time, and a service that rehearses while idle
 (ASER_IDLE_REHEARSAL) has the time between them; with `--quiet-every N --quiet-s S` it also goes quiet for S
 seconds after every N photos, as a device's day has idle hours (a service with ASER_SLEEP sleeps then), and once its
-stream has ended it waits for the service's sleep over what is new before the final measure (`after_idle`).
+stream has ended it waits for the service's sleep over what is new before the final measure (`after_idle`). With
+`--fresh-sleep` its user then asks for a fresh sleep (`POST /sleep?fresh=true`: the top trained again from ImageNet's
+weights over everything held) and measures once more (`after_fresh`).
 
     python -m clients.bench.live.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
         --out results/client-stream/eurosat-default.json
@@ -149,6 +151,19 @@ def slept(client: ServiceClient, timeout: float = 3600) -> dict | None:
     raise TimeoutError(f"the service did not sleep over what is new within {timeout} s")
 
 
+def fresh_slept(client: ServiceClient, timeout: float = 3600) -> dict:
+    """A fresh sleep asked for and waited on: the service's sleep once it has ended (ASER_SLEEP)."""
+    before = client.status()["sleep"]["sleeps"]
+    client.sleep(fresh=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        sleep = client.status()["sleep"]
+        if sleep["sleeps"] > before and sleep["state"] == "awake" and not sleep["fresh_asked"]:
+            return sleep
+        time.sleep(1.0)
+    raise TimeoutError(f"the fresh sleep did not end within {timeout} s")
+
+
 def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[tuple[str, bytes]],
               per_class: int, rate: float | None = None, quiet: Quiet | None = None) -> dict:
     """Send one task's photos; measure at each anytime point it reaches and at its end."""
@@ -170,7 +185,7 @@ def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[
 
 
 def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int, rate: float | None = None,
-             quiet: Quiet | None = None) -> dict:
+             quiet: Quiet | None = None, fresh: bool = False) -> dict:
     names = class_names(data)
     tasks = [names[i:i + CLASSES_A_TASK] for i in range(0, len(names), CLASSES_A_TASK)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,6 +207,11 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                 if (sleep := slept(client)) is not None:  # the device idle: the service sleeps over what is new
                     status = client.drain()
                     after_idle = {**measured(client, test), "sleep": sleep}
+                after_fresh = None
+                if fresh and after_idle is not None:  # and its user asks for the top trained again from ImageNet's
+                    sleep = fresh_slept(client)
+                    status = client.drain()
+                    after_fresh = {**measured(client, test), "sleep": sleep}
                 parity = onnx_parity(client, service.url, test)
         finally:
             service.stop()
@@ -203,6 +223,7 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                             if ten_in else None},
             "calibration_config": status.get("calibration"),
             **({"after_idle": after_idle} if after_idle else {}),
+            **({"after_fresh": after_fresh} if after_fresh else {}),
             "anytime": {n: round(sum(v) / len(v), 2) for n, v in anytime.items() if v},
             "tasks": along, "serving_head": status["serving_head"], "head_choice": status["head_choice"],
             "samples_sent": sent,
@@ -223,13 +244,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet-every", type=int, default=0, metavar="N",
                         help="the device goes quiet after every N photos (its idle hours)")
     parser.add_argument("--quiet-s", type=float, default=0.0, metavar="S", help="for S seconds")
+    parser.add_argument("--fresh-sleep", action="store_true",
+                        help="with ASER_SLEEP: after the idle sleep, a fresh one asked for, and a measure after it")
     parser.add_argument("--out", help="write the result here (JSON)")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class, args.rate,
-                     Quiet(args.quiet_every, args.quiet_s)) for seed in parse_seeds(args.seeds)]
+                     Quiet(args.quiet_every, args.quiet_s), args.fresh_sleep) for seed in parse_seeds(args.seeds)]
     mean = {"final_accuracy": round(sum(r["final_accuracy"] for r in runs) / len(runs), 2),
-            "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]}}
+            "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]},
+            **({"after_fresh": round(sum(r["after_fresh"]["accuracy"] for r in runs) / len(runs), 2)}
+               if all("after_fresh" in r for r in runs) else {})}
     result = {"data": Path(args.data).name, "train_per_class": args.train_per_class if args.train_per_class < LARGE
               else "all", "test_per_class": args.test_per_class, **({"rate": args.rate} if args.rate else {}),
               **({"quiet_every": args.quiet_every, "quiet_s": args.quiet_s} if args.quiet_every else {}),

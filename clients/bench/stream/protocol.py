@@ -280,7 +280,8 @@ def sleep_settings(args) -> dict:
         return {}
     return {"sleep": {"every": args.sleep_every, "epochs": args.sleep_epochs, "batch": args.sleep_batch,
                       "lr": args.sleep_lr, "schedule": args.sleep_schedule, "source": args.sleep_source,
-                      "draw": args.sleep_draw, "store": args.sleep_store}}
+                      "draw": args.sleep_draw, "store": args.sleep_store,
+                      **({"fresh_at_end": True} if getattr(args, "fresh_sleep_at_end", False) else {})}}
 
 
 def sleep_record(learner) -> dict:
@@ -348,6 +349,8 @@ def train_pass(learner, data: ImageDataset, classes: list[int], args, stream_gen
         bar.update(1)
     if last and getattr(args, "sleep_every", 0) and learner.sleeper.new_samples:
         learner.sleep()  # the stream has ended: the device is idle
+    if last and getattr(args, "fresh_sleep_at_end", False):
+        learner.sleep(fresh=True)  # and its user asks for the top trained again over everything held
     if evaluate_after:
         learner.end_task()
     probing = (anytime.wall, anytime.cpu) if anytime is not None else (0.0, 0.0)

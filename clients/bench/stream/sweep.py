@@ -191,6 +191,8 @@ class RunSpec:
                 parts.append(f"slr{extra['sleep_lr']:g}")
             if extra.get("sleep_batch", 32) != 32:
                 parts.append(f"sb{extra['sleep_batch']}")
+            if extra.get("fresh_sleep_at_end"):
+                parts.append("fresh")
         return "-".join(parts) + f"-seed{self.seed}.json"
 
     def command(self, data: str, out: Path, threads: int, device: str, checkpoint: Path) -> list[str]:

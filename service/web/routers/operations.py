@@ -119,6 +119,8 @@ class SleepStatus(BaseModel):
     new_samples: int = Field(description="samples trained on, or relabelled, since the last sleep began (an idle "
                              "sleep waits for ASER_SLEEP_MIN_NEW)")
     owed: int = Field(description="sample-updates a sleep that yielded to arriving samples left for the next")
+    fresh_asked: bool = Field(False, description="the next sleep trains the top again from ImageNet's weights over "
+                              "everything held (POST /sleep?fresh=true, or a fresh sleep that yielded)")
     sleeps: int = Field(description="sleeps in the lineage")
     sample_updates: int
     cpu_seconds: float
@@ -126,7 +128,7 @@ class SleepStatus(BaseModel):
                                    "streaming LDA)")
     last: dict | None = Field(description="the last sleep: budget, updates, steps, cpu_seconds, held_before and "
                               "held_after (the served answer's accuracy on the held-back samples), kept (false: "
-                              "worse on them, rolled back), yielded, classes")
+                              "worse on them, rolled back), yielded, fresh, classes")
     store: SleepStore
 
 
@@ -171,6 +173,7 @@ class Status(BaseModel):
 
 class SleepRequested(BaseModel):
     requested: bool
+    fresh: bool = Field(description="the top trained again from ImageNet's weights, not from where it is")
     budget: int = Field(description="sample-updates the sleep will take at most, as things stand")
     new_samples: int
 
@@ -237,7 +240,8 @@ def sleep_status(worker, classes: list[str | None]) -> dict | None:
     last = sleeper.last
     return {"state": "awake" if current is None else "sleeping",
             "progress": None if current is None else {"updates": current.updates, "budget": current.budget},
-            "new_samples": sleeper.new_samples, "owed": sleeper.owed, "sleeps": sleeper.sleeps,
+            "new_samples": sleeper.new_samples, "owed": sleeper.owed, "fresh_asked": sleeper.fresh_asked,
+            "sleeps": sleeper.sleeps,
             "sample_updates": sleeper.updates, "cpu_seconds": round(sleeper.cpu_seconds, 2),
             "top_classes": [labels[c] for c in sorted(sleeper.top_classes) if c in labels],
             "last": None if last is None else {**last, "classes": [labels[c] for c in last["classes"] if c in labels]},
@@ -276,17 +280,20 @@ def router(access: Access) -> APIRouter:
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/sleep", status_code=202, response_model=SleepRequested, dependencies=[access.require("admin")],
-              responses=error_responses(401, 403, 409))
-    async def sleep(request: Request):
+              responses=error_responses(401, 403, 409, 422))
+    async def sleep(request: Request, fresh: Annotated[bool, Query()] = False):
         """Sleep now (ASER_SLEEP): as soon as no sample waits, the top trains over the latent store for its budget
         (ASER_SLEEP_EPOCHS times the samples new since the last sleep, and what a yielded one owes), yielding to
-        samples that arrive. /status's `sleep` follows it."""
+        samples that arrive. `fresh=true`: the top starts again from ImageNet's weights and trains for
+        ASER_SLEEP_EPOCHS passes over everything the store holds (offline training on the device, at its CPU; a
+        fresh sleep that yields is undone and runs again at the next idle sleep). /status's `sleep` follows it."""
         worker = request.app.state.runtime.worker
         if worker.learner.sleeper is None:
             raise SleepOff("this service does not sleep: start it with ASER_SLEEP=true")
-        worker.request_sleep()
+        worker.request_sleep(fresh)
         sleeper = worker.learner.sleeper
-        return {"requested": True, "budget": sleeper.budget(), "new_samples": sleeper.new_samples}
+        return {"requested": True, "fresh": fresh or sleeper.fresh_asked, "budget": sleeper.budget(fresh),
+                "new_samples": sleeper.new_samples}
 
     @api.get("/history", response_model=list[HistoryPoint], dependencies=[access.require("read")],
              responses=error_responses(401, 403, 422))
