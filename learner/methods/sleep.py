@@ -170,11 +170,12 @@ class Sleeper:
         right_before = _served_right_on_held(learner)
         saved = _serving_state(learner)
         taught_before = set(self.top_classes)
-        draw = self._pass_draw(learner) if report.fresh else None  # (b)'s shuffled passes, or warm's balanced draw
+        order = None  # a fresh sleep's slots, (b)'s shuffled passes; a warm one draws class-balanced batches
         batch = self.config.fresh_batch_size if report.fresh else self.config.batch_size
         if report.fresh:
             learner.restart_top(int(torch.randint(2**31, (1,), generator=self.generator)))
             self.top_classes.clear()  # changed in place: a head choice reads this very set
+            order = self._shuffled_passes(learner, budget)
         params = list(learner.model.parameters())  # those without a gradient are skipped
         learner.model.train()
         while report.updates < budget:
@@ -183,19 +184,21 @@ class Sleeper:
                 self._owe(report, before)
                 break
             n = min(batch, budget - report.updates)
-            x, y = self._draw(learner, n, new) if draw is None else self._read(learner, draw(n))
+            x, y = (self._draw(learner, n, new) if order is None
+                    else self._read(learner, order[report.updates:report.updates + n]))
             self.step(learner, params, x, y, self.rate(report.updates, budget))
             report.updates += len(y)
             report.steps += 1
         learner.model.zero_grad(set_to_none=True)  # the last step's gradients: a top's size, not needed awake
         learner.rehearsal_steps += report.steps
         self.top_classes |= set(report.classes)  # measured as the top's, taken back if the sleep is undone
-        right_after = None if report.fresh and report.yielded else _served_right_on_held(learner)
+        half_trained = report.fresh and report.yielded  # undone whole, nothing to measure
+        right_after = None if half_trained else _served_right_on_held(learner)
         if right_before is not None and right_after is not None:
             report.held_before, report.held_after = (round(float(r.float().mean()), 4)
                                                      for r in (right_before, right_after))
         worse = right_before is not None and right_after is not None and shown_worse(right_before, right_after)
-        if worse or (report.fresh and report.yielded):
+        if worse or half_trained:
             self.top_classes.clear()
             self.top_classes |= taught_before
             _restore_serving(learner, saved)
@@ -247,23 +250,12 @@ class Sleeper:
         latents, labels = self.store.read(slots)
         return latents.to(learner.device, learner.backbone.stored_dtype), labels.to(learner.device)
 
-    def _pass_draw(self, learner):
-        """n slots at a time from shuffled passes over the store's trusted samples (a fresh sleep's batches)."""
+    def _shuffled_passes(self, learner, n: int) -> torch.Tensor:
+        """n slots from shuffled passes over the store's trusted samples, as (b) takes them (a fresh sleep's)."""
         mask = learner.trusted(self.store.keys[:len(self.store)])  # suspects are not rehearsed
         trusted = torch.arange(len(self.store)) if mask is None or not mask.any() else mask.nonzero().flatten()
-        order, at = trusted[:0], 0
-
-        def draw(n: int) -> torch.Tensor:
-            nonlocal order, at
-            slots = []
-            while n:
-                if at == len(order):
-                    order, at = trusted[torch.randperm(len(trusted), generator=self.generator)], 0
-                take = order[at:at + n]
-                slots.append(take)
-                at, n = at + len(take), n - len(take)
-            return torch.cat(slots)
-        return draw
+        passes = -(-n // len(trusted))
+        return torch.cat([trusted[torch.randperm(len(trusted), generator=self.generator)] for _ in range(passes)])[:n]
 
     def correct(self, key: int, new_class: int | None) -> bool:
         """Relabel (None: drop) the stored sample `key`; whether the store held it. A relabel counts as new: the next
