@@ -172,10 +172,18 @@ class Settings(BaseSettings):
                                 "a sleep starts")
     sleep_min_new: int = Field(100, ge=1, description="with ASER_SLEEP: samples new since the last sleep that an idle "
                                "sleep waits for (POST /sleep does not)")
+    sleep_fresh_idle_s: float = Field(0.0, ge=0, description="with ASER_SLEEP: seconds without a sample to train "
+                                      "after which the next sleep is fresh (the top trained again from ImageNet's "
+                                      "weights over everything held, at offline training's CPU: a night's sleep), "
+                                      "once ASER_SLEEP_MIN_NEW samples have arrived since the last fresh one; 0: "
+                                      "only on POST /sleep?fresh=true")
     sleep_epochs: float = Field(8.0, gt=0, le=100, description="with ASER_SLEEP: a sleep's budget, sample-updates "
                                 "for each sample new since the last sleep")
     sleep_schedule: Literal["constant", "cosine"] = Field("constant", description="with ASER_SLEEP: a sleep's SGD "
                                                           "rate, constant or annealed to zero over each sleep")
+    sleep_draw: Literal["balanced", "shuffled"] = Field("balanced", description="with ASER_SLEEP: a sleep's "
+                                                        "batches, class-balanced with replacement or shuffled "
+                                                        "passes over everything held")
     sleep_store_mb: float = Field(512.0, gt=0, description="with ASER_SLEEP: the latent store's size on disk; when full, "
                                   "a new sample evicts a random one of the largest class")
 

@@ -107,6 +107,29 @@ def test_a_cosine_sleep_anneals_its_rate_to_zero_over_its_budget_and_the_service
     assert spec.sleep_config().schedule == "cosine" and spec.config()["sleep_schedule"] == "cosine"
 
 
+def test_a_shuffled_sleep_takes_passes_over_everything_held_from_where_the_top_is(eurosat_latents, streamed):
+    """The "shuffled" draw: a warm sleep's batches are shuffled passes without replacement, as (b) takes them (every
+    stored sample once a pass), in the warm sleep's batches of 32, a warm sleep all the same."""
+    from service.learning.lineage import describe_learner
+    from service.settings import Settings
+
+    learner = after_the_stream(eurosat_latents[1], streamed, epochs=1, draw="shuffled")
+    weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    read, drawn = learner.sleeper._read, []
+    learner.sleeper._read = lambda learner, slots: drawn.append(slots) or read(learner, slots)
+    held = len(learner.sleeper.store)
+    report = learner.sleep(budget=held + 5)  # a pass and 5 slots of the next
+    slots = torch.cat(drawn).tolist()
+    assert not report.fresh and report.updates == held + 5 and report.steps == -(-(held + 5) // 32)
+    assert sorted(slots[:held]) == list(range(held)) and len(set(slots[held:])) == 5
+    head = next(k for k in weights if k.startswith("head") and k.endswith("weight"))
+    assert not torch.equal(learner.model.state_dict()[head], weights[head]) and report.kept
+    with pytest.raises(ValueError, match="source 'store'"):
+        sleeping_learner(eurosat_latents[1], draw="shuffled", source="memory")
+    spec = describe_learner(Settings(sleep=True, sleep_draw="shuffled", device="cpu"), None)
+    assert spec.sleep_config().draw == "shuffled" and spec.config()["sleep_draw"] == "shuffled"
+
+
 def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(eurosat_latents, streamed):
     """With the top trained only in sleeps, the memory's KNN-SVs are taken on the frozen network's pooled features
     (those streaming LDA reads): the memory's cached features are exactly them, under the frozen space's version,
@@ -382,6 +405,23 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         last = st["sleep"]["last"]
         assert last["fresh"] and last["updates"] == 8 * held and not st["sleep"]["fresh_asked"]
         assert last["kept"] or last["held_after"] < last["held_before"]  # undone only where shown worse
+        assert st["sleep"]["new_since_fresh"] == 0
+
+        # a night's sleep: after ASER_SLEEP_FRESH_IDLE_S without a sample, once enough has arrived since the last
+        # fresh one, the next sleep is fresh unasked (the warm idle sleep still an hour away)
+        server.stop()
+        server.env.update(ASER_SLEEP_FRESH_IDLE_S="2", ASER_SLEEP_MIN_NEW="10")
+        server.start()
+        send(server, tiles[540:560])
+        st = wait_for(server, lambda s: s["samples_trained"] == 560, "train 20 more")
+        arrived = st["sleep"]["new_since_fresh"]
+        assert 10 <= arrived <= 20 and st["sleep"]["sleeps"] == sleeps + 1
+        st = wait_for(server, lambda s: s["sleep"]["sleeps"] == sleeps + 2 and s["sleep"]["state"] == "awake",
+                      "a fresh sleep once idle")
+        last = st["sleep"]["last"]
+        assert last["fresh"] and last["updates"] == 8 * (held + arrived) and st["sleep"]["new_since_fresh"] == 0
+        time.sleep(4)  # nothing new since: no other night's sleep
+        assert status(server)["sleep"]["sleeps"] == sleeps + 2
     finally:
         server.stop()
 

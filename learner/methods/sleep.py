@@ -8,15 +8,18 @@ of plain SGD on class-balanced mini-batches drawn from a `source`:
 - "memory": ASER's memory, the M samples its values kept;
 - "both": each batch half from each.
 
-`draw` "balanced" (SIESTA's) draws every store batch class-balanced over everything; "new-half" takes half of each
-from the samples that arrived since the last sleep (REMIND's mix of new and old), which in a class-incremental stream
-is one task's classes: on Split EuroSAT (seed 0) it served 95.01 against balanced's 97.23, 14 of its 22 sleeps undone
-by the held-back samples (docs/results/sleep.md). The budget of a sleep is `epochs` times the samples new since the
-last one (the whole stream's sleeps then cost `epochs` passes over it: reference (b)'s count at 8). A sleep is
-warm-started from the current top and ends, under a choice on held-back samples (`learner.heads.held_back`), with the
-heads chosen again; it keeps its weights unless the held-back samples show the served answer worse than before by a
-paired sign test (`shown_worse`; then the weights, the average and the choice it replaced come back). `should_yield`
-is asked between steps: a sleep that yields keeps what it trained and owes the rest of its budget to the next.
+`draw` "balanced" (SIESTA's) draws every store batch class-balanced over everything, with replacement; "new-half"
+takes half of each from the samples that arrived since the last sleep (REMIND's mix of new and old), which in a
+class-incremental stream is one task's classes: on Split EuroSAT (seed 0) it served 95.01 against balanced's 97.23,
+14 of its 22 sleeps undone by the held-back samples (docs/results/sleep.md); "shuffled" takes shuffled passes over
+everything the store holds, without replacement, as reference (b) and a fresh sleep do (the store only; on
+tf_flowers -0.25 ± 0.76 against balanced, five seeds: not shown different). The budget of a sleep is `epochs` times
+the samples new since the last one (the whole stream's sleeps then cost `epochs` passes over it: reference (b)'s count
+at 8). A sleep is warm-started from the current top and ends, under a choice on held-back samples
+(`learner.heads.held_back`), with the heads chosen again; it keeps its weights unless the held-back samples show the
+served answer worse than before by a paired sign test (`shown_worse`; then the weights, the average and the choice it
+replaced come back). `should_yield` is asked between steps: a sleep that yields keeps what it trained and owes the
+rest of its budget to the next.
 `schedule` "constant" steps at `lr` throughout; "cosine" anneals each sleep's rate from `lr` to zero over its budget
 (SGDR's warm restart a sleep, Loshchilov & Hutter 2017), so that a sleep ends at weights its last steps settled
 rather than at one noisy step's.
@@ -45,7 +48,7 @@ from ..networks.frozen_runtime import cpu_seconds, trim_heap
 
 SOURCES = ("store", "memory", "both")
 KEPT_REPORTS = 1000  # the latest sleeps' reports a learner keeps (a service sleeps for months)
-DRAWS = ("balanced", "new-half")
+DRAWS = ("balanced", "new-half", "shuffled")
 SCHEDULES = ("constant", "cosine")
 
 
@@ -70,6 +73,8 @@ class SleepConfig:
             raise ValueError(f"unknown sleep source {self.source!r}; choose one of {', '.join(SOURCES)}")
         if self.draw not in DRAWS:
             raise ValueError(f"unknown sleep draw {self.draw!r}; choose one of {', '.join(DRAWS)}")
+        if self.draw == "shuffled" and self.source != "store":
+            raise ValueError("the shuffled draw takes passes over the store: it needs source 'store'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown sleep schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         batches = min(self.batch_size, self.micro_batch, self.fresh_batch_size)
@@ -107,6 +112,7 @@ class Sleeper:
         self.relabelled = 0  # store samples relabelled since: new to the top as much as an arrival is
         self.owed = 0  # sample-updates a yielded sleep left
         self.fresh_asked = False  # the next sleep starts the top again (`fresh`): asked for, or a fresh one yielded
+        self.fresh_mark = 0  # the store's arrivals when the last fresh sleep that ran to its end began
         # classes a kept sleep has trained the top on; changed in place only, since a head choice may read this very set
         self.top_classes: set[int] = set()
         self.sleeps, self.updates, self.cpu_seconds = 0, 0, 0.0
@@ -121,6 +127,12 @@ class Sleeper:
     def new_samples(self) -> int:
         """Samples the top has not slept on: arrived, or relabelled in the store, since the last sleep began."""
         return self.store.arrived - self.mark + self.relabelled
+
+    @property
+    def new_since_fresh(self) -> int:
+        """Samples arrived since the last fresh sleep that ran to its end began (a service's night sleep waits for
+        them)."""
+        return self.store.arrived - self.fresh_mark
 
     def budget(self, fresh: bool = False) -> int:
         """A warm sleep's: `epochs` times the samples new since the last, and what a yielded one owes; a fresh one's:
@@ -146,6 +158,8 @@ class Sleeper:
         learner.backbone.release_buffers()  # the pixels' buffers out before the batches' activations come in
         try:
             self._train(learner, report, new, should_yield, before)
+            if report.fresh and not report.yielded:  # kept or undone, what it saw is not new to the next night's
+                self.fresh_mark = self.mark
             self.sleeps += 1
             self.updates += report.updates
             self.cpu_seconds += report.cpu_seconds
@@ -170,12 +184,13 @@ class Sleeper:
         right_before = _served_right_on_held(learner)
         saved = _serving_state(learner)
         taught_before = set(self.top_classes)
-        order = None  # a fresh sleep's slots, (b)'s shuffled passes; a warm one draws class-balanced batches
         batch = self.config.fresh_batch_size if report.fresh else self.config.batch_size
         if report.fresh:
             learner.restart_top(int(torch.randint(2**31, (1,), generator=self.generator)))
             self.top_classes.clear()  # changed in place: a head choice reads this very set
-            order = self._shuffled_passes(learner, budget)
+        # the slots of (b)'s shuffled passes, taken in order; None: each batch drawn as it comes (`_draw`)
+        shuffled = report.fresh or self.config.draw == "shuffled"
+        order = self._shuffled_passes(learner, budget) if shuffled else None
         params = list(learner.model.parameters())  # those without a gradient are skipped
         learner.model.train()
         while report.updates < budget:
@@ -272,6 +287,7 @@ class Sleeper:
     def state_dict(self) -> dict:
         return {"store": self.store.state_dict(), "generator": self.generator.get_state(), "mark": self.mark,
                 "owed": self.owed, "relabelled": self.relabelled, "fresh_asked": self.fresh_asked,
+                "fresh_mark": self.fresh_mark,
                 "top_classes": sorted(self.top_classes),
                 "sleeps": self.sleeps, "updates": self.updates, "cpu_seconds": self.cpu_seconds,
                 "reports": list(self.reports)}
@@ -281,6 +297,7 @@ class Sleeper:
         self.generator.set_state(state["generator"])
         self.mark, self.owed, self.relabelled = state["mark"], state["owed"], state.get("relabelled", 0)
         self.fresh_asked = state.get("fresh_asked", False)
+        self.fresh_mark = state.get("fresh_mark", 0)
         self.top_classes.clear()
         self.top_classes.update(state["top_classes"])
         self.sleeps, self.updates, self.cpu_seconds = state["sleeps"], state["updates"], state["cpu_seconds"]

@@ -241,6 +241,7 @@ class LearnerSpec:
     sleep_store_mb: float = 512.0
     sleep_min_new: int = 100
     sleep_schedule: str = "constant"
+    sleep_draw: str = "balanced"
     calibrate: bool = True  # a temperature and "none of these" fitted on held-back samples (learner.heads.calibration)
     unknown_false_alarm: float = 0.05
 
@@ -277,7 +278,8 @@ class LearnerSpec:
         from learner.methods.sleep import SleepConfig
 
         # a store of 1: the worker gives the learner its store on disk instead
-        return SleepConfig(epochs=self.sleep_epochs, schedule=self.sleep_schedule, store_capacity=1)
+        return SleepConfig(epochs=self.sleep_epochs, schedule=self.sleep_schedule, draw=self.sleep_draw,
+                           store_capacity=1)
 
     def config(self) -> dict:
         """The learner's configuration as `/status` shows it."""
@@ -292,7 +294,8 @@ class LearnerSpec:
                 "serving_bn": self.serving_bn, "serving_bias": lineage.serving_bias, "calibrate": self.calibrate,
                 **({"unknown_false_alarm": self.unknown_false_alarm} if self.calibrate else {}),
                 **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb,
-                    "sleep_min_new": self.sleep_min_new, "sleep_schedule": self.sleep_schedule}
+                    "sleep_min_new": self.sleep_min_new, "sleep_schedule": self.sleep_schedule,
+                    "sleep_draw": self.sleep_draw}
                    if self.sleep else {})}
 
 
@@ -323,7 +326,7 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
                        settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head),
                        settings.sleep, settings.sleep_epochs, settings.sleep_store_mb, settings.sleep_min_new,
-                       settings.sleep_schedule,
+                       settings.sleep_schedule, settings.sleep_draw,
                        lineage.backbone != "scratch" if settings.calibrate is None else settings.calibrate,
                        settings.unknown_false_alarm)
 

@@ -76,6 +76,7 @@ class LoopSpec:
     idle_rehearsal_share: float
     sleep_idle_s: float
     sleep_min_new: int
+    sleep_fresh_idle_s: float
     snapshots: SnapshotPlan
 
     @classmethod
@@ -309,18 +310,20 @@ class LearnerWorker:
 
     def sleep_if_due(self) -> bool:
         """With ASER_SLEEP: a sleep when asked, or once nothing has been there to train for ASER_SLEEP_IDLE_S and
-        ASER_SLEEP_MIN_NEW samples are new (or a sleep that yielded owes the rest). It yields to the next sample
-        acknowledged, a forgetting or a stop, between two of its steps. Returns whether it trained."""
+        ASER_SLEEP_MIN_NEW samples are new (or a sleep that yielded owes the rest); a fresh one after
+        ASER_SLEEP_FRESH_IDLE_S once ASER_SLEEP_MIN_NEW have arrived since the last fresh one. It yields to the next
+        sample acknowledged, a forgetting or a stop, between two of its steps. Returns whether it trained."""
         sleeper = self.learner.sleeper
         if sleeper is None or self.requests_waiting:
             return False
         s, asked = self.loop, self._sleep_asked.is_set()
-        idle = time.monotonic() - self._busy_at >= s.sleep_idle_s
+        idle_s = time.monotonic() - self._busy_at
+        night = 0 < s.sleep_fresh_idle_s <= idle_s and sleeper.new_since_fresh >= s.sleep_min_new
         due = sleeper.new_samples >= s.sleep_min_new or sleeper.owed or sleeper.fresh_asked
-        if not asked and not (idle and due):
+        if not asked and not (idle_s >= s.sleep_idle_s and due) and not night:
             return False
         self._sleep_asked.clear()
-        fresh, self._fresh_asked = self._fresh_asked, False
+        fresh, self._fresh_asked = self._fresh_asked or night, False
         self.consistent = False  # a failure or a kill mid-sleep restarts from the last checkpoint
         self.metrics.sleeping.set(1)
         try:

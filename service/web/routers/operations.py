@@ -121,6 +121,8 @@ class SleepStatus(BaseModel):
     owed: int = Field(description="sample-updates a sleep that yielded to arriving samples left for the next")
     fresh_asked: bool = Field(False, description="the next sleep trains the top again from ImageNet's weights over "
                               "everything held (POST /sleep?fresh=true, or a fresh sleep that yielded)")
+    new_since_fresh: int = Field(0, description="samples arrived since the last fresh sleep began (a fresh sleep "
+                                 "after ASER_SLEEP_FRESH_IDLE_S waits for ASER_SLEEP_MIN_NEW)")
     sleeps: int = Field(description="sleeps in the lineage")
     sample_updates: int
     cpu_seconds: float
@@ -241,7 +243,7 @@ def sleep_status(worker, classes: list[str | None]) -> dict | None:
     return {"state": "awake" if current is None else "sleeping",
             "progress": None if current is None else {"updates": current.updates, "budget": current.budget},
             "new_samples": sleeper.new_samples, "owed": sleeper.owed, "fresh_asked": sleeper.fresh_asked,
-            "sleeps": sleeper.sleeps,
+            "new_since_fresh": sleeper.new_since_fresh, "sleeps": sleeper.sleeps,
             "sample_updates": sleeper.updates, "cpu_seconds": round(sleeper.cpu_seconds, 2),
             "top_classes": [labels[c] for c in sorted(sleeper.top_classes) if c in labels],
             "last": None if last is None else {**last, "classes": [labels[c] for c in last["classes"] if c in labels]},
