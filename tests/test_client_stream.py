@@ -40,3 +40,21 @@ def test_a_paced_split_stream_through_the_service_is_learned_and_the_snapshot_an
     assert parity["compared"] == 50 and parity["same_top1"] == 50 and parity["max_probability_gap"] < 1e-3
     assert run["serving_head"] == parity["snapshot_head"] == "slda"
     assert result["command"].startswith("python -m clients.bench.live.client_stream")
+
+
+def test_a_sleeping_service_is_measured_after_its_idle_sleep_and_after_its_nights(tmp_path):
+    """With ASER_SLEEP and ASER_SLEEP_FRESH_IDLE_S, `--fresh-sleep` asks for nothing: it waits for the service's own
+    night sleep over everything sent (the top trained again from ImageNet's weights) and measures after it."""
+    out = tmp_path / "stream.json"
+    assert client_stream.main(["--data", str(EUROSAT_ZIP), "--train-per-class", "12", "--test-per-class", "5",
+                               "--env", "ASER_IMAGE_SIZE=64", "--env", "ASER_SLEEP=true",
+                               "--env", "ASER_SLEEP_IDLE_S=1", "--env", "ASER_SLEEP_MIN_NEW=1",
+                               "--env", "ASER_SLEEP_EPOCHS=1", "--env", "ASER_SLEEP_FRESH_IDLE_S=3",
+                               "--fresh-sleep", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["samples_sent"] == run["samples_trained"] == 120 and run["samples_skipped"] == 0
+    night = run["after_fresh"]["sleep"]
+    assert night["last"]["fresh"] and night["new_since_fresh"] == 0 and night["state"] == "awake"
+    assert night["last"]["updates"] == night["last"]["budget"] == night["store"]["samples"]  # one pass over all
+    assert run["after_idle"]["sleep"]["new_samples"] == 0 and run["after_fresh"]["accuracy"] >= 40
+    assert run["onnx_parity"]["same_top1"] == run["onnx_parity"]["compared"] == 50

@@ -11,7 +11,8 @@ device sends R photos a second, ten at a time, and a service that rehearses whil
 seconds after every N photos, as a device's day has idle hours (a service with ASER_SLEEP sleeps then), and once its
 stream has ended it waits for the service's sleep over what is new before the final measure (`after_idle`). With
 `--fresh-sleep` its user then asks for a fresh sleep (`POST /sleep?fresh=true`: the top trained again from ImageNet's
-weights over everything held) and measures once more (`after_fresh`).
+weights over everything held) and measures once more (`after_fresh`); where `--env ASER_SLEEP_FRESH_IDLE_S` is set it
+asks for nothing and waits for the service's own night sleep (longer than `--quiet-s`, or the quiet gaps hold one).
 
     python -m clients.bench.live.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
         --out results/client-stream/eurosat-default.json
@@ -151,14 +152,17 @@ def slept(client: ServiceClient, timeout: float = 3600) -> dict | None:
     raise TimeoutError(f"the service did not sleep over what is new within {timeout} s")
 
 
-def fresh_slept(client: ServiceClient, timeout: float = 3600) -> dict:
-    """A fresh sleep asked for and waited on: the service's sleep once it has ended (ASER_SLEEP)."""
+def fresh_slept(client: ServiceClient, ask: bool = True, timeout: float = 3600) -> dict:
+    """A fresh sleep, asked for (or, `ask` false, the service's night sleep once idle) and waited on: the service's
+    sleep once it has ended (ASER_SLEEP)."""
     before = client.status()["sleep"]["sleeps"]
-    client.sleep(fresh=True)
+    if ask:
+        client.sleep(fresh=True)
     deadline = time.time() + timeout
     while time.time() < deadline:
         sleep = client.status()["sleep"]
-        if sleep["sleeps"] > before and sleep["state"] == "awake" and not sleep["fresh_asked"]:
+        this = sleep["sleeps"] > before if ask else sleep["new_since_fresh"] == 0  # a night's: over all there is
+        if this and sleep["state"] == "awake" and not sleep["fresh_asked"] and sleep["last"]["fresh"]:
             return sleep
         time.sleep(1.0)
     raise TimeoutError(f"the fresh sleep did not end within {timeout} s")
@@ -209,7 +213,7 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                     after_idle = {**measured(client, test), "sleep": sleep}
                 after_fresh = None
                 if fresh and after_idle is not None:  # and its user asks for the top trained again from ImageNet's
-                    sleep = fresh_slept(client)
+                    sleep = fresh_slept(client, ask=not float(env.get("ASER_SLEEP_FRESH_IDLE_S", 0)))
                     status = client.drain()
                     after_fresh = {**measured(client, test), "sleep": sleep}
                 parity = onnx_parity(client, service.url, test)
@@ -245,7 +249,8 @@ def main(argv=None) -> int:
                         help="the device goes quiet after every N photos (its idle hours)")
     parser.add_argument("--quiet-s", type=float, default=0.0, metavar="S", help="for S seconds")
     parser.add_argument("--fresh-sleep", action="store_true",
-                        help="with ASER_SLEEP: after the idle sleep, a fresh one asked for, and a measure after it")
+                        help="with ASER_SLEEP: after the idle sleep, a fresh one asked for (or with "
+                        "ASER_SLEEP_FRESH_IDLE_S, the night's, waited for), and a measure after it")
     parser.add_argument("--out", help="write the result here (JSON)")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
