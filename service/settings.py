@@ -179,6 +179,8 @@ class Settings(BaseSettings):
                                       "only on POST /sleep?fresh=true")
     sleep_epochs: float = Field(8.0, gt=0, le=100, description="with ASER_SLEEP: a sleep's budget, sample-updates "
                                 "for each sample new since the last sleep")
+    sleep_fresh_epochs: float | None = Field(None, gt=0, le=100, description="with ASER_SLEEP: a fresh sleep's passes "
+                                             "over everything held (unset: ASER_SLEEP_EPOCHS)")
     sleep_schedule: Literal["constant", "cosine"] = Field("constant", description="with ASER_SLEEP: a sleep's SGD "
                                                           "rate, constant or annealed to zero over each sleep")
     sleep_draw: Literal["balanced", "shuffled"] = Field("balanced", description="with ASER_SLEEP: a sleep's "

@@ -94,10 +94,12 @@ def test_a_noisy_stream_scores_the_suspects_against_its_flips_and_pairs_flip_eac
     slept = tmp_path / "slept.json"
     assert run(tmp_path, cache_dir, "cb-sv-duel", slept, "--seed", "0", "--backbone", "lite0", "--input-size", "64",
                "--cut", "11", "--serving-head", "slda", "--choose-head", "held-back", "--lr", "0.01", "--train-every",
-               "0", "--sleep-every", "100", "--sleep-epochs", "1", "--label-noise", "0.3", "--fresh-sleep-at-end") == 0
+               "0", "--sleep-every", "100", "--sleep-epochs", "1", "--label-noise", "0.3", "--fresh-sleep-at-end",
+               "--fresh-sleep-epochs", "2") == 0
     result = json.loads(slept.read_text())
     fresh = [r for r in result["sleeps"]["each"] if r["fresh"]]  # the stream's end: the top trained again
-    assert len(fresh) == 1 and fresh[0]["updates"] > 0 and result["settings"]["sleep"]["fresh_at_end"]
+    assert len(fresh) == 1 and fresh[0]["updates"] == fresh[0]["budget"] > 0 and fresh[0]["budget"] % 2 == 0
+    assert result["settings"]["sleep"]["fresh_at_end"] and result["settings"]["sleep"]["fresh_epochs"] == 2
     noise = result["label_noise"]
     assert noise["stream_relabelled"] > 0 and "final_accuracy_corrected_slept" in noise
     # a sample-update for each relabel the store held (one epoch; a held-back sample is not in the store)

@@ -126,8 +126,9 @@ def test_a_shuffled_sleep_takes_passes_over_everything_held_from_where_the_top_i
     assert not torch.equal(learner.model.state_dict()[head], weights[head]) and report.kept
     with pytest.raises(ValueError, match="source 'store'"):
         sleeping_learner(eurosat_latents[1], draw="shuffled", source="memory")
-    spec = describe_learner(Settings(sleep=True, sleep_draw="shuffled", device="cpu"), None)
+    spec = describe_learner(Settings(sleep=True, sleep_draw="shuffled", sleep_fresh_epochs=6, device="cpu"), None)
     assert spec.sleep_config().draw == "shuffled" and spec.config()["sleep_draw"] == "shuffled"
+    assert spec.sleep_config().fresh_epochs == 6 and spec.config()["sleep_fresh_epochs"] == 6
 
 
 def test_awake_asers_values_read_the_frozen_features_the_batch_already_has(eurosat_latents, streamed):
@@ -251,6 +252,8 @@ def test_a_fresh_sleep_trains_the_top_again_from_imagenets_weights_over_everythi
     learner = after_the_stream(backbone, streamed, epochs=1)
     learner.sleep(budget=64)
     assert learner.sleeper.budget() == 0 and learner.sleeper.budget(fresh=True) == len(learner.sleeper.store)
+    night = after_the_stream(backbone, streamed, epochs=1, fresh_epochs=2.5)  # a fresh sleep's own count of passes
+    assert night.sleeper.budget(fresh=True) == round(2.5 * len(night.sleeper.store)) and night.sleeper.budget() > 0
     asked = iter([False, False, True])  # a fresh sleep that yields after a step is undone whole, and asked again
     weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
     undone = learner.sleep(fresh=True, should_yield=lambda: next(asked, True))

@@ -83,6 +83,9 @@ def cmd_run(args) -> int:
     if args.fresh_sleep_at_end and not args.sleep_every:
         print("error: --fresh-sleep-at-end needs a sleep schedule (--sleep-every)", file=sys.stderr)
         return 2
+    if args.fresh_sleep_epochs is not None and (not args.fresh_sleep_at_end or args.fresh_sleep_epochs <= 0):
+        print("error: --fresh-sleep-epochs is a positive count for --fresh-sleep-at-end", file=sys.stderr)
+        return 2
     if args.calibrate_only:
         args.stream_rate = args.stream_rate or "1x"
         costs, rate = stream_costs(args, data, resolve_device(args.device))
@@ -296,13 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --sleep-every: what a sleep rehearses (the latent store of every sample, ASER's "
                           "memory, or half of each)")
     run.add_argument("--sleep-draw", choices=SLEEP_DRAWS, default="balanced",
-                     help="with --sleep-every: every store batch class-balanced (balanced), or half of each from what "
-                          "is new since the last sleep (new-half)")
+                     help="with --sleep-every: every store batch class-balanced (balanced), half of each from what "
+                          "is new since the last sleep (new-half), or shuffled passes over the store (shuffled)")
     run.add_argument("--sleep-store", type=int, default=100_000, metavar="N",
                      help="with --sleep-every: the latent store's capacity in samples (class-balanced eviction)")
     run.add_argument("--fresh-sleep-at-end", action="store_true",
                      help="with --sleep-every: after the stream's last sleep, one fresh sleep (the top started again "
                           "from ImageNet's weights, --sleep-epochs passes over everything held), as a user asks for it")
+    run.add_argument("--fresh-sleep-epochs", type=float, metavar="N",
+                     help="with --fresh-sleep-at-end: its passes over everything held (default: --sleep-epochs)")
     run.add_argument("--standardize-features", action="store_true",
                      help="with --backbone lite0 and a cut below the pooled one: the top's head reads its pooled "
                           "features standardised by running statistics (learner.networks.backbone.RunningStandardize)")

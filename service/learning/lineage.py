@@ -242,6 +242,7 @@ class LearnerSpec:
     sleep_min_new: int = 100
     sleep_schedule: str = "constant"
     sleep_draw: str = "balanced"
+    sleep_fresh_epochs: float | None = None
     calibrate: bool = True  # a temperature and "none of these" fitted on held-back samples (learner.heads.calibration)
     unknown_false_alarm: float = 0.05
 
@@ -279,7 +280,7 @@ class LearnerSpec:
 
         # a store of 1: the worker gives the learner its store on disk instead
         return SleepConfig(epochs=self.sleep_epochs, schedule=self.sleep_schedule, draw=self.sleep_draw,
-                           store_capacity=1)
+                           fresh_epochs=self.sleep_fresh_epochs, store_capacity=1)
 
     def config(self) -> dict:
         """The learner's configuration as `/status` shows it."""
@@ -295,7 +296,8 @@ class LearnerSpec:
                 **({"unknown_false_alarm": self.unknown_false_alarm} if self.calibrate else {}),
                 **({"sleep": True, "sleep_epochs": self.sleep_epochs, "sleep_store_mb": self.sleep_store_mb,
                     "sleep_min_new": self.sleep_min_new, "sleep_schedule": self.sleep_schedule,
-                    "sleep_draw": self.sleep_draw}
+                    "sleep_draw": self.sleep_draw,
+                    **({"sleep_fresh_epochs": n} if (n := self.sleep_fresh_epochs) else {})}
                    if self.sleep else {})}
 
 
@@ -326,7 +328,7 @@ def describe_learner(settings: Settings, saved: dict[str, str] | None) -> Learne
                        replay_batch_on(settings, device), settings.seed, settings.latent_bf16, settings.serving_bn,
                        settings.trained_head_from, settings.head_measure, head_prior(settings, lineage.head),
                        settings.sleep, settings.sleep_epochs, settings.sleep_store_mb, settings.sleep_min_new,
-                       settings.sleep_schedule, settings.sleep_draw,
+                       settings.sleep_schedule, settings.sleep_draw, settings.sleep_fresh_epochs,
                        lineage.backbone != "scratch" if settings.calibrate is None else settings.calibrate,
                        settings.unknown_false_alarm)
 

@@ -271,7 +271,7 @@ def sleep_config(args) -> SleepConfig | None:
         return None
     return SleepConfig(epochs=args.sleep_epochs, batch_size=args.sleep_batch, lr=args.sleep_lr,
                        schedule=args.sleep_schedule, source=args.sleep_source, draw=args.sleep_draw,
-                       store_capacity=args.sleep_store)
+                       store_capacity=args.sleep_store, fresh_epochs=getattr(args, "fresh_sleep_epochs", None))
 
 
 def sleep_settings(args) -> dict:
@@ -281,7 +281,8 @@ def sleep_settings(args) -> dict:
     return {"sleep": {"every": args.sleep_every, "epochs": args.sleep_epochs, "batch": args.sleep_batch,
                       "lr": args.sleep_lr, "schedule": args.sleep_schedule, "source": args.sleep_source,
                       "draw": args.sleep_draw, "store": args.sleep_store,
-                      **({"fresh_at_end": True} if getattr(args, "fresh_sleep_at_end", False) else {})}}
+                      **({"fresh_at_end": True} if getattr(args, "fresh_sleep_at_end", False) else {}),
+                      **({"fresh_epochs": n} if (n := getattr(args, "fresh_sleep_epochs", None)) else {})}}
 
 
 def sleep_record(learner) -> dict:

@@ -38,7 +38,7 @@ OPTION_DEFAULTS = {"augment": False, "iterations": 1, "ema": None, "feature_max_
                    "cut": POOLED, "latent_bits": 16, "serving_head": None,
                    "trained_head_from": None, "rehearsals": 0, "sleep_every": 0, "sleep_epochs": 8.0, "sleep_batch": 32,
                    "sleep_lr": 0.01, "sleep_schedule": "constant", "sleep_source": "store", "sleep_draw": "balanced",
-                   "sleep_store": 100_000, "fresh_sleep_at_end": False,
+                   "sleep_store": 100_000, "fresh_sleep_at_end": False, "fresh_sleep_epochs": None,
                    **LATER_OPTIONS}
 
 

@@ -192,7 +192,7 @@ class RunSpec:
             if extra.get("sleep_batch", 32) != 32:
                 parts.append(f"sb{extra['sleep_batch']}")
             if extra.get("fresh_sleep_at_end"):
-                parts.append("fresh")
+                parts.append(f"fresh{extra['fresh_sleep_epochs']:g}" if extra.get("fresh_sleep_epochs") else "fresh")
         return "-".join(parts) + f"-seed{self.seed}.json"
 
     def command(self, data: str, out: Path, threads: int, device: str, checkpoint: Path) -> list[str]:
