@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --sleep-every: the latent store's capacity in samples (class-balanced eviction)")
     run.add_argument("--fresh-sleep-at-end", action="store_true",
                      help="with --sleep-every: after the stream's last sleep, one fresh sleep (the top started again "
-                          "from ImageNet's weights, --sleep-epochs passes over everything held), as a user asks for it")
+                          "from ImageNet's weights, passes over everything held), as a user asks for it or a night "
+                          "brings it")
     run.add_argument("--fresh-sleep-epochs", type=float, metavar="N",
                      help="with --fresh-sleep-at-end: its passes over everything held (default: --sleep-epochs)")
     run.add_argument("--standardize-features", action="store_true",

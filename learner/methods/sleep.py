@@ -24,13 +24,14 @@ rest of its budget to the next.
 (SGDR's warm restart a sleep, Loshchilov & Hutter 2017), so that a sleep ends at weights its last steps settled
 rather than at one noisy step's.
 
-A `fresh` sleep (asked for, never scheduled) starts the top again from ImageNet's weights and a new linear head and
-trains it as reference (b), the same top trained i.i.d. offline, does: `fresh_epochs` (unset: `epochs`) shuffled passes
-over everything the store holds, in batches of `fresh_batch_size`. Warm sleeps train the top in the stream's order, one task's classes
-before the next, and end 1-4 points under (b) on a class that came last (docs/results/sleep.md); a fresh one costs
-(b)'s CPU each time. (Its batches drawn class-balanced with replacement, as a warm sleep's, left the top 1.6 points
-under these passes on tf_flowers.) It is published under the same held-back rule; one that yields to arriving samples
-is undone whole (half-trained weights serve nothing) and runs again at the next sleep.
+A `fresh` sleep (asked for, or a service's night sleep: never on the count of new samples) starts the top again from
+ImageNet's weights and a new linear head and trains it as reference (b), the same top trained i.i.d. offline, does:
+`fresh_epochs` (unset: `epochs`) shuffled passes over everything the store holds, in batches of `fresh_batch_size`.
+Warm sleeps train the top in the stream's order, one task's classes before the next, and end 1-4 points under (b) on a
+class that came last (docs/results/sleep.md); a fresh one costs (b)'s CPU each time (at its count of passes). (Its
+batches drawn class-balanced with replacement, as a warm sleep's, left the top 1.6 points under these passes on
+tf_flowers.) It is published under the same held-back rule; one that yields to arriving samples is undone whole
+(half-trained weights serve nothing) and runs again at the next sleep.
 """
 
 from __future__ import annotations

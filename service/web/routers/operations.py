@@ -287,8 +287,9 @@ def router(access: Access) -> APIRouter:
         """Sleep now (ASER_SLEEP): as soon as no sample waits, the top trains over the latent store for its budget
         (ASER_SLEEP_EPOCHS times the samples new since the last sleep, and what a yielded one owes), yielding to
         samples that arrive. `fresh=true`: the top starts again from ImageNet's weights and trains for
-        ASER_SLEEP_EPOCHS passes over everything the store holds (offline training on the device, at its CPU; a
-        fresh sleep that yields is undone and runs again at the next idle sleep). /status's `sleep` follows it."""
+        ASER_SLEEP_FRESH_EPOCHS (unset: ASER_SLEEP_EPOCHS) passes over everything the store holds (offline training
+        on the device, at its CPU; a fresh sleep that yields is undone and runs again at the next idle sleep).
+        /status's `sleep` follows it."""
         worker = request.app.state.runtime.worker
         if worker.learner.sleeper is None:
             raise SleepOff("this service does not sleep: start it with ASER_SLEEP=true")
