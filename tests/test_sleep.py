@@ -413,7 +413,7 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         # a night's sleep: after ASER_SLEEP_FRESH_IDLE_S without a sample, once enough has arrived since the last
         # fresh one, the next sleep is fresh unasked (the warm idle sleep still an hour away)
         server.stop()
-        server.env.update(ASER_SLEEP_FRESH_IDLE_S="2", ASER_SLEEP_MIN_NEW="10")
+        server.env.update(ASER_SLEEP_FRESH_IDLE_S="5", ASER_SLEEP_MIN_NEW="10")
         server.start()
         send(server, tiles[540:560])
         st = wait_for(server, lambda s: s["samples_trained"] == 560, "train 20 more")
@@ -423,7 +423,7 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
                       "a fresh sleep once idle")
         last = st["sleep"]["last"]
         assert last["fresh"] and last["updates"] == 8 * (held + arrived) and st["sleep"]["new_since_fresh"] == 0
-        time.sleep(4)  # nothing new since: no other night's sleep
+        time.sleep(7)  # idle past the night again, nothing new since: no other night's sleep
         assert status(server)["sleep"]["sleeps"] == sleeps + 2
     finally:
         server.stop()
