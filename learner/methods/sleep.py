@@ -80,9 +80,13 @@ class SleepConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown sleep schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         batches = min(self.batch_size, self.micro_batch, self.fresh_batch_size)
-        epochs = (self.epochs, self.epochs if self.fresh_epochs is None else self.fresh_epochs)
-        if min(epochs) <= 0 or batches < 1 or self.lr <= 0 or self.store_capacity < 1:
+        if min(self.epochs, self.fresh_passes) <= 0 or batches < 1 or self.lr <= 0 or self.store_capacity < 1:
             raise ValueError("a sleep needs epochs > 0, batches of at least 1, a rate > 0 and a store of 1 or more")
+
+    @property
+    def fresh_passes(self) -> float:
+        """A fresh sleep's passes over everything held: `fresh_epochs`, or `epochs` where unset."""
+        return self.epochs if self.fresh_epochs is None else self.fresh_epochs
 
 
 @dataclass
@@ -141,8 +145,7 @@ class Sleeper:
         """A warm sleep's: `epochs` times the samples new since the last, and what a yielded one owes; a fresh one's:
         `fresh_epochs` (or `epochs`) passes over everything held."""
         if fresh or self.fresh_asked:
-            passes = self.config.epochs if self.config.fresh_epochs is None else self.config.fresh_epochs
-            return int(round(passes * len(self.store)))
+            return int(round(self.config.fresh_passes * len(self.store)))
         return int(round(self.config.epochs * self.new_samples)) + self.owed
 
     def run(self, learner, budget: int | None = None, should_yield=None, fresh: bool = False) -> SleepReport:
