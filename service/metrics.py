@@ -76,14 +76,17 @@ class Metrics:
                                        "(this process)", registry=r)
         self.sleeping = Gauge("aser_sleeping", "1 while the learner sleeps (ASER_SLEEP: the top trains over the "
                               "latent store)", registry=r)
-        self.sleeps = Counter("aser_sleeps", "Sleeps ended, by outcome: kept (the served answer on the held-back "
-                              "samples no worse), rolled_back, or yielded (to arriving samples, its rest owed)",
-                              ["outcome"], registry=r)
+        self.sleeps = Counter("aser_sleeps", "Sleeps ended, by kind (warm: the top as the last left it; fresh: "
+                              "trained again from ImageNet's weights, asked for or a night's) and outcome: kept (the "
+                              "served answer on the held-back samples no worse), rolled_back, or yielded (to "
+                              "arriving samples, its rest owed)", ["kind", "outcome"], registry=r)
         self.sleep_updates = Counter("aser_sleep_sample_updates", "Sample-updates sleeps took (this process)",
                                      registry=r)
         self.sleep_cpu = Counter("aser_sleep_cpu_seconds", "CPU seconds sleeps took (this process)", registry=r)
         self.sleep_store_samples = Gauge("aser_sleep_store_samples", "Samples the sleep's latent store holds",
                                          registry=r)
+        self.sleep_new_since_fresh = Gauge("aser_sleep_new_since_fresh", "Samples arrived since the last fresh "
+                                           "sleep began (a night's sleep waits for ASER_SLEEP_MIN_NEW)", registry=r)
         self.database_bytes = Gauge("aser_database_bytes", "The SQLite database's size on disk, WAL included",
                                     registry=r)
         self.database_over_cap = Gauge("aser_database_over_cap", "1 while the database stays above "
@@ -111,7 +114,8 @@ class Metrics:
 
     def observe_sleep(self, report) -> None:
         """One sleep ended (`learner.methods.sleep.SleepReport`)."""
-        self.sleeps.labels(outcome="yielded" if report.yielded else "kept" if report.kept else "rolled_back").inc()
+        outcome = "yielded" if report.yielded else "kept" if report.kept else "rolled_back"
+        self.sleeps.labels(kind="fresh" if report.fresh else "warm", outcome=outcome).inc()
         self.sleep_updates.inc(report.updates)
         self.sleep_cpu.inc(report.cpu_seconds)
 
@@ -133,6 +137,7 @@ class Metrics:
         if sleep := status.get("sleep"):
             self.sleeping.set(1 if sleep["state"] == "sleeping" else 0)
             self.sleep_store_samples.set(sleep["store"]["samples"])
+            self.sleep_new_since_fresh.set(sleep["new_since_fresh"])
         online = status["online"]
         self.online_accuracy.set(online["accuracy"] if online["accuracy"] is not None else float("nan"))
         self.online_window_accuracy.set(online["window_accuracy"] if online["window_accuracy"] is not None

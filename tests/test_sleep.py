@@ -321,8 +321,8 @@ def wait_for(server, check, what: str, timeout: float = 600):
     raise AssertionError(f"{what}: not within {timeout} s; last status {status(server)['sleep']}")
 
 
-def dashboard_shows_the_sleep(server, held_after: float) -> None:
-    """The dashboard's sleep card, in a real browser: awake, one sleep kept, the held-back accuracy it reached."""
+def dashboard_sleep_card(server) -> str:
+    """The text of the dashboard's sleep card, awake, in a real browser."""
     from selenium.webdriver.common.by import By
 
     from .test_dashboard import chromium, wait
@@ -330,10 +330,7 @@ def dashboard_shows_the_sleep(server, held_after: float) -> None:
     browser = chromium()
     try:
         browser.get(server.url + "/")
-        card = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#sleep table[data-state='awake']"))
-        text = card.text
-        assert "kept" in text and f"{100 * held_after:.1f} %" in text and "sleeps 1:" in text, text
-        assert all(label in text for label in CLASSES)  # the top has been taught every class
+        return wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#sleep table[data-state='awake']")).text
     finally:
         browser.quit()
 
@@ -348,6 +345,7 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         st = wait_for(server, lambda s: s["samples_trained"] == 480, "train the first 480")
         assert st["sleep"]["state"] == "awake" and st["sleep"]["sleeps"] == 0 and st["steps"] == 48
         assert st["sleep"]["store"]["samples"] == 480 - st["head_choice"]["held_back"]["samples"]
+        assert st["sleep"]["schedule"] == {"idle_s": 3600.0, "min_new": 100, "night_idle_s": None}
         top_before = st["head_choice"]["held_back"]["accuracy"].get("top", 0.0)
 
         r = httpx.post(f"{server.url}/sleep")
@@ -369,8 +367,11 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
             time.sleep(0.5)
         assert after and after[-1]["model_version"] == st["model_version"]
         metrics = httpx.get(f"{server.url}/metrics").text
-        assert 'aser_sleeps_total{outcome="kept"} 1.0' in metrics and "aser_sleeping 0.0" in metrics
-        dashboard_shows_the_sleep(server, held["served"])
+        assert 'aser_sleeps_total{kind="warm",outcome="kept"} 1.0' in metrics and "aser_sleeping 0.0" in metrics
+        card = dashboard_sleep_card(server)
+        assert "kept" in card and f"{100 * held['served']:.1f} %" in card and "sleeps 1:" in card, card
+        assert all(label in card for label in CLASSES)  # the top has been taught every class
+        assert "fresh only on request" in card and "fresh, " not in card, card
 
         # ingest preempts a sleep: what arrives is acknowledged and trained, the sleep owes the rest
         send(server, tiles[480:520])  # new samples, so that the next sleep has a budget
@@ -379,7 +380,8 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         scored = online["samples_scored"] - st["online"]["samples_scored"]
         assert 10 <= scored < 40 and scored + online["samples_unscored"] == 40, online
         httpx.post(f"{server.url}/sleep")
-        wait_for(server, lambda s: s["sleep"]["state"] == "sleeping", "a second sleep starts")
+        st = wait_for(server, lambda s: s["sleep"]["state"] == "sleeping", "a second sleep starts")
+        assert st["sleep"]["progress"]["fresh"] is False
         send(server, tiles[520:540])
         st = wait_for(server, lambda s: s["samples_trained"] == 540, "ingest during a sleep trained")
         assert st["sleep"]["last"]["yielded"] and st["sleep"]["owed"] > 0
@@ -425,6 +427,14 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         assert last["fresh"] and last["updates"] == 8 * (held + arrived) and st["sleep"]["new_since_fresh"] == 0
         time.sleep(7)  # idle past the night again, nothing new since: no other night's sleep
         assert status(server)["sleep"]["sleeps"] == sleeps + 2
+        assert status(server)["sleep"]["schedule"]["night_idle_s"] == 5.0
+        metrics = httpx.get(f"{server.url}/metrics").text  # this process: the night's sleep, fresh
+        fresh = [line for line in metrics.splitlines() if line.startswith('aser_sleeps_total{kind="fresh"')]
+        assert sum(float(line.split()[-1]) for line in fresh) == 1.0, fresh
+        assert "aser_sleep_new_since_fresh 0.0" in metrics
+        card = dashboard_sleep_card(server)
+        assert "fresh, held-back" in card, card
+        assert "after 5 s idle once 10 have arrived since the last: 0 so far" in card, card
     finally:
         server.stop()
 

@@ -113,9 +113,19 @@ class SleepStore(BaseModel):
     per_class: dict[str, int]
 
 
+class SleepSchedule(BaseModel):
+    idle_s: float = Field(description="a sleep after this long without a sample to train (ASER_SLEEP_IDLE_S) ...")
+    min_new: int = Field(description="... once this many are new since the last began (ASER_SLEEP_MIN_NEW)")
+    night_idle_s: float | None = Field(description="a night's sleep, fresh, after this long idle once "
+                                       "ASER_SLEEP_MIN_NEW have arrived since the last fresh one "
+                                       "(ASER_SLEEP_FRESH_IDLE_S); null: fresh only on request")
+
+
 class SleepStatus(BaseModel):
     state: Literal["awake", "sleeping"]
-    progress: dict[str, int] | None = Field(description="the sleep in progress: sample-updates taken and its budget")
+    progress: dict[str, int | bool] | None = Field(description="the sleep in progress: sample-updates taken, its "
+                                                   "budget, and whether it is fresh")
+    schedule: SleepSchedule
     new_samples: int = Field(description="samples trained on, or relabelled, since the last sleep began (an idle "
                              "sleep waits for ASER_SLEEP_MIN_NEW)")
     owed: int = Field(description="sample-updates a sleep that yielded to arriving samples left for the next")
@@ -234,14 +244,17 @@ def status(rt: Runtime) -> dict:
 
 
 def sleep_status(worker, classes: list[str | None]) -> dict | None:
-    sleeper, store = worker.learner.sleeper, worker.latent_store
+    sleeper, store, loop = worker.learner.sleeper, worker.latent_store, worker.loop
     if sleeper is None or store is None:
         return None
     current = sleeper.current
     labels = {c: classes[c] for c in range(len(classes)) if classes[c] is not None}
     last = sleeper.last
     return {"state": "awake" if current is None else "sleeping",
-            "progress": None if current is None else {"updates": current.updates, "budget": current.budget},
+            "progress": None if current is None else {"updates": current.updates, "budget": current.budget,
+                                                      "fresh": current.fresh},
+            "schedule": {"idle_s": loop.sleep_idle_s, "min_new": loop.sleep_min_new,
+                         "night_idle_s": loop.sleep_fresh_idle_s or None},
             "new_samples": sleeper.new_samples, "owed": sleeper.owed, "fresh_asked": sleeper.fresh_asked,
             "new_since_fresh": sleeper.new_since_fresh, "sleeps": sleeper.sleeps,
             "sample_updates": sleeper.updates, "cpu_seconds": round(sleeper.cpu_seconds, 2),

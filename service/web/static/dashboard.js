@@ -184,13 +184,19 @@ function sleepCard(st) {
   const sleep = st.sleep, pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + " %");
   $("sleep-card").hidden = !sleep;
   if (!sleep) return;
-  const last = sleep.last;
+  const last = sleep.last, when = sleep.schedule;
   const rows = [
-    ["state", sleep.state === "sleeping"
-      ? `sleeping: ${sleep.progress.updates} of ${sleep.progress.budget} sample-updates` : "awake"],
-    ["new since the last sleep", `${sleep.new_samples} samples` + (sleep.owed ? ` (${sleep.owed} updates owed)` : "")],
+    ["state", sleep.state === "sleeping" ? `${sleep.progress.fresh ? "a fresh sleep" : "sleeping"}: ` +
+      `${sleep.progress.updates} of ${sleep.progress.budget} sample-updates` : "awake"],
+    ["new since the last sleep", `${sleep.new_samples} samples` + (sleep.owed ? ` (${sleep.owed} updates owed)` : "") +
+      `; the next after ${when.idle_s} s idle once ${when.min_new} are new`],
+    // a night's sleep: the top trained again from ImageNet's weights over everything held, brought by idle time
+    ["night's sleep", (when.night_idle_s === null ? "fresh only on request"
+      : `after ${when.night_idle_s} s idle once ${when.min_new} have arrived since the last: ` +
+        `${sleep.new_since_fresh} so far`) + (sleep.fresh_asked ? "; a fresh sleep is asked for" : "")],
     ["sleeps", `${sleep.sleeps}: ${sleep.sample_updates} sample-updates, ${sleep.cpu_seconds.toFixed(0)} CPU s`],
-    ["last sleep", !last ? "none yet" : `held-back ${pct(last.held_before)} → ${pct(last.held_after)}, ` +
+    ["last sleep", !last ? "none yet" : (last.fresh ? "fresh, " : "") +
+      `held-back ${pct(last.held_before)} → ${pct(last.held_after)}, ` +
       (last.yielded ? "yielded, " : "") + (last.kept ? "kept" : "rolled back") +
       `, ${last.updates} updates in ${last.cpu_seconds.toFixed(1)} CPU s`],
     ["taught the top", sleep.top_classes.length ? sleep.top_classes.map(esc).join(", ") : "no class yet"],
