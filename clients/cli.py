@@ -340,9 +340,11 @@ def status_lines(st: dict) -> str:
              f"{pct(st['online']['window_accuracy'])}), {len(st['classes'])} classes, memory {st['buffer_size']}"]
     if st.get("sleep"):
         s = st["sleep"]
-        lines.append(f"  sleep: {s['state']}" + (f" {s['progress']['updates']}/{s['progress']['budget']}"
-                                                  if s["progress"] else "") +
-                     f", {s['sleeps']} sleeps, {s['new_samples']} new samples, store {s['store']['samples']}")
+        progress = s["progress"]
+        lines.append(f"  sleep: {s['state']}" + (" (fresh)" if progress and progress.get("fresh") else "") +
+                     (f" {progress['updates']}/{progress['budget']}" if progress else "") +
+                     f", {s['sleeps']} sleeps, {s['new_samples']} new samples "
+                     f"({s.get('new_since_fresh', 0)} since the last fresh), store {s['store']['samples']}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from clients.bench.live.local_service import real_jpegs
+from clients.cli import status_lines
 
 from .conftest import EUROSAT_ZIP
 from .test_service import Server, status
@@ -427,7 +428,9 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         assert last["fresh"] and last["updates"] == 8 * (held + arrived) and st["sleep"]["new_since_fresh"] == 0
         time.sleep(7)  # idle past the night again, nothing new since: no other night's sleep
         assert status(server)["sleep"]["sleeps"] == sleeps + 2
-        assert status(server)["sleep"]["schedule"]["night_idle_s"] == 5.0
+        st = status(server)
+        assert st["sleep"]["schedule"]["night_idle_s"] == 5.0
+        assert f"{sleeps + 2} sleeps, 0 new samples (0 since the last fresh)" in status_lines(st)  # `aser status`
         metrics = httpx.get(f"{server.url}/metrics").text  # this process: the night's sleep, fresh
         fresh = [line for line in metrics.splitlines() if line.startswith('aser_sleeps_total{kind="fresh"')]
         assert sum(float(line.split()[-1]) for line in fresh) == 1.0, fresh
