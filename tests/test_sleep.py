@@ -175,6 +175,31 @@ def test_awake_the_pool_is_fitted_again_as_streaming_lda_learns_young_classes(eu
     assert learner.head_choice.pool == fit_pool(probabilities["slda"], probabilities["top"], labels, weighed)
 
 
+def test_a_measure_reads_streaming_lda_as_it_answers_now_with_a_young_class_among_its_classes(eurosat_latents):
+    """A young class's mean moves with every sample and streaming LDA owes a solve; no held-back sample has changed and
+    the top has not moved. A measure then (an evaluation's, or the step's) solves first and fits the pool on the
+    answers served now; counting only solves already made, it found nothing new and left the choice of a stream
+    without that class: what an in-process evaluation served, where a service (which solves before it publishes)
+    measured again."""
+    from learner.heads.head_choice import fit_pool
+
+    data, backbone = eurosat_latents
+    learner = sleeping_learner(backbone, epochs=1)
+    stream(learner, data, (0, 1))
+    assert learner.sleep().kept and not learner.held_measure_due
+    held, version = len(learner.held_back), learner.version
+    young = torch.nonzero(data.train_y == 2).flatten()[:10]
+    learner.observe(data.train_x[young], data.train_y[young])  # the first ten of class 2: none held back yet
+    assert len(learner.held_back) == held and learner.version == version
+    assert learner.measure_held()  # measured: streaming LDA now has class 2
+    stored, frozen, labels = learner.held_back.stacked()
+    probabilities = learner.head_probabilities(stored, frozen, top=learner.held_top_probabilities())
+    assert float(probabilities["slda"][:, 2].max()) > 0  # the young class is among what the held samples were told
+    weighed = learner.head_choice.weighed(learner.num_classes)
+    assert learner.head_choice.pool == fit_pool(probabilities["slda"], probabilities["top"], labels, weighed)
+    assert not learner.held_measure_due
+
+
 LEAN_PROCESS = """
 import sys, torch
 from learner import make_learner
