@@ -249,13 +249,15 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         weights as they are now (once a weights version); returns whether it measured. The step does it every
         `measure_every` steps, an evaluation in process (`candidate_probabilities`) and an idle service before they
         answer, since the top moves within a task."""
+        choice = self.head_choice
+        if choice is None or choice.held is None:
+            return False
         if self.stream_head is not None:
             # streaming LDA as it answers now: a solve it owes (young classes' means move with every sample) is what
             # the measure must read; counted only once made, it would leave the choice as the last solve had it
             self.solved_head()
         if not self.held_measure_due:
             return False
-        choice = self.head_choice
         stored, features, labels = choice.held.stacked()
         choice.choose_on_held(self.head_probabilities(stored, features, top=self.held_top_probabilities()), labels)
         self._held_measured_at = self._held_key()
