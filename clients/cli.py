@@ -344,7 +344,8 @@ def status_lines(st: dict) -> str:
         lines.append(f"  sleep: {s['state']}" + (" (fresh)" if progress and progress.get("fresh") else "") +
                      (f" {progress['updates']}/{progress['budget']}" if progress else "") +
                      f", {s['sleeps']} sleeps, {s['new_samples']} new samples "
-                     f"({s.get('new_since_fresh', 0)} since the last fresh), store {s['store']['samples']}")
+                     f"({s.get('new_since_fresh', 0)} since the last fresh, a night's needs "
+                     f"{s['schedule'].get('night_min_new', '?')}), store {s['store']['samples']}")
     return "\n".join(lines)
 
 

@@ -164,20 +164,26 @@ class Settings(BaseSettings):
 
     # sleep (learner.methods.sleep): while the device is idle, the top above the cut trains i.i.d.-style over the
     # latents of every sample it was sent (docs/operations.md#sleep)
-    sleep: bool = Field(False, description="train the top in sleeps: after ASER_SLEEP_IDLE_S without a sample to "
-                        "train, and on POST /sleep; awake, the top does not step (streaming LDA and ASER's memory "
-                        "learn each batch), and each class is served by the head its held-back samples choose "
-                        "(unset ASER_CUT and ASER_HEAD become 11 and chosen)")
+    sleep: bool | None = Field(None, description="train the top in sleeps: after ASER_SLEEP_IDLE_S without a sample "
+                               "to train, and on POST /sleep; awake, the top does not step (streaming LDA and ASER's "
+                               "memory learn each batch), and each class is served by the head its held-back samples "
+                               "choose (unset ASER_CUT and ASER_HEAD become 11 and chosen) (unset: on for a replay "
+                               "method on lite0 with ASER_HEAD, ASER_TRAINED_HEAD_FROM and ASER_IDLE_REHEARSAL "
+                               "unset, unless the data directory's lineage serves another head; off from scratch)")
     sleep_idle_s: float = Field(30.0, ge=0, description="with ASER_SLEEP: seconds without a sample to train before "
                                 "a sleep starts")
     sleep_min_new: int = Field(100, ge=1, description="with ASER_SLEEP: samples new since the last sleep that an idle "
                                "sleep waits for (POST /sleep does not)")
-    sleep_fresh_idle_s: float = Field(0.0, ge=0, description="with ASER_SLEEP: seconds without a sample to train "
+    sleep_fresh_idle_s: float = Field(3600.0, ge=0, description="with ASER_SLEEP: seconds without a sample to train "
                                       "after which the next sleep is fresh (the top trained again from ImageNet's "
                                       "weights over everything held, at offline training's CPU: a night's sleep), "
-                                      "once ASER_SLEEP_MIN_NEW samples have arrived since the last fresh one; 0: "
-                                      "only on POST /sleep?fresh=true")
-    sleep_epochs: float = Field(8.0, gt=0, le=100, description="with ASER_SLEEP: a sleep's budget, sample-updates "
+                                      "once enough has arrived since the last fresh one (ASER_SLEEP_FRESH_GROWTH); "
+                                      "0: only on POST /sleep?fresh=true")
+    sleep_fresh_growth: float = Field(1.0, ge=0, description="with ASER_SLEEP_FRESH_IDLE_S: a night's sleep waits "
+                                      "until the samples arrived since the last fresh sleep are this share of those "
+                                      "before it, and at least ASER_SLEEP_MIN_NEW (1: the nights' passes together at "
+                                      "most twice the last's, however often the device idles)")
+    sleep_epochs: float = Field(4.0, gt=0, le=100, description="with ASER_SLEEP: a sleep's budget, sample-updates "
                                 "for each sample new since the last sleep")
     sleep_fresh_epochs: float | None = Field(None, gt=0, le=100, description="with ASER_SLEEP: a fresh sleep's passes "
                                              "over everything held (unset: ASER_SLEEP_EPOCHS)")

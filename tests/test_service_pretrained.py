@@ -60,8 +60,9 @@ def photos():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("lite0"), backbone="lite0", batch_size=5, mem_size=20, snapshot_int8=True,
-               snapshot_int8_min_agreement=0.5).start()
+    # streaming LDA serving awake, the service's answer without sleep (the default's sleeps: tests/test_sleep.py)
+    s = Server(tmp_path_factory.mktemp("lite0"), backbone="lite0", sleep="false", batch_size=5, mem_size=20,
+               snapshot_int8=True, snapshot_int8_min_agreement=0.5).start()
     yield s
     s.stop()
 
@@ -229,7 +230,8 @@ def test_the_stream_chooses_the_head_and_status_and_the_snapshot_say_which(serve
     assert choice_of(head="chosen") == ("held-back", "pool")
     assert choice_of(head="chosen", head_prior="none") == ("held-back", None)
     assert choice_of(head="chosen", head_measure="stream") == ("stream", None)
-    assert choice_of() == (None, None)  # streaming LDA alone: no choice, no prior
+    assert choice_of() == ("held-back", "pool")  # the default sleeps: held-back samples choose a sleep's top
+    assert choice_of(sleep=False) == (None, None)  # streaming LDA alone: no choice, no prior
     for settings in ({"head": "chosen", "head_measure": "stream"}, {"head": "slda"}):
         with pytest.raises(ValueError, match="ASER_HEAD_PRIOR"):  # a prior of the choice on held-back samples only
             choice_of(**settings, head_prior="mix")

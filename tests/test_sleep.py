@@ -362,7 +362,7 @@ def dashboard_sleep_card(server) -> str:
 
 
 def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_path, tiles):
-    server = Server(tmp_path / "svc", backbone="lite0", image_size=64, sleep="true", sleep_idle_s=3600,
+    server = Server(tmp_path / "svc", backbone="lite0", image_size=64, sleep_idle_s=3600,  # sleep on by default
                     mem_size=100, max_batch_wait_s=0.2).start()
     try:
         r = httpx.post(f"{server.url}/sleep")
@@ -371,11 +371,13 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         st = wait_for(server, lambda s: s["samples_trained"] == 480, "train the first 480")
         assert st["sleep"]["state"] == "awake" and st["sleep"]["sleeps"] == 0 and st["steps"] == 48
         assert st["sleep"]["store"]["samples"] == 480 - st["head_choice"]["held_back"]["samples"]
-        assert st["sleep"]["schedule"] == {"idle_s": 3600.0, "min_new": 100, "night_idle_s": None}
+        assert st["config"]["sleep"] and st["config"]["cut"] == 11 and st["config"]["head"] == "chosen"
+        assert st["sleep"]["schedule"] == {"idle_s": 3600.0, "min_new": 100, "night_idle_s": 3600.0,
+                                           "night_min_new": 100}
         top_before = st["head_choice"]["held_back"]["accuracy"].get("top", 0.0)
 
         r = httpx.post(f"{server.url}/sleep")
-        assert r.status_code == 202 and r.json()["budget"] == 8 * st["sleep"]["new_samples"]
+        assert r.status_code == 202 and r.json()["budget"] == 4 * st["sleep"]["new_samples"]
         # the sleep counted (/status reads it off the learner) and its model published (the worker publishes a moment
         # later; each of the sleep's steps is a weights version, so the published model is that many versions on): the
         # served choice's held-back accuracy is then the one the sleep measured
@@ -397,7 +399,7 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         card = dashboard_sleep_card(server)
         assert "kept" in card and f"{100 * held['served']:.1f} %" in card and "sleeps 1:" in card, card
         assert all(label in card for label in CLASSES)  # the top has been taught every class
-        assert "fresh only on request" in card and "fresh, " not in card, card
+        assert "after 3600 s idle once 100 have arrived since the last" in card and "fresh, " not in card, card
 
         # ingest preempts a sleep: what arrives is acknowledged and trained, the sleep owes the rest
         send(server, tiles[480:520])  # new samples, so that the next sleep has a budget
@@ -429,17 +431,18 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         # a fresh sleep on request: the top trained again from ImageNet's weights over everything the store holds
         r = httpx.post(f"{server.url}/sleep", params={"fresh": "true"})
         held = st["sleep"]["store"]["samples"]
-        assert r.status_code == 202 and r.json()["fresh"] and r.json()["budget"] == 8 * held
+        assert r.status_code == 202 and r.json()["fresh"] and r.json()["budget"] == 4 * held
         sleeps = st["sleep"]["sleeps"]
         st = wait_for(server, lambda s: s["sleep"]["sleeps"] == sleeps + 1 and s["sleep"]["state"] == "awake",
                       "the fresh sleep")
         last = st["sleep"]["last"]
-        assert last["fresh"] and last["updates"] == 8 * held and not st["sleep"]["fresh_asked"]
+        assert last["fresh"] and last["updates"] == 4 * held and not st["sleep"]["fresh_asked"]
         assert last["kept"] or last["held_after"] < last["held_before"]  # undone only where shown worse
         assert st["sleep"]["new_since_fresh"] == 0
 
         # a night's sleep: after ASER_SLEEP_FRESH_IDLE_S without a sample, once enough has arrived since the last
-        # fresh one, the next sleep is fresh unasked (the warm idle sleep still an hour away)
+        # fresh one (ASER_SLEEP_MIN_NEW, and ASER_SLEEP_FRESH_GROWTH times what had arrived before it), the next sleep
+        # is fresh unasked (the warm idle sleep still an hour away)
         server.stop()
         server.env.update(ASER_SLEEP_FRESH_IDLE_S="5", ASER_SLEEP_MIN_NEW="10")
         server.start()
@@ -447,15 +450,23 @@ def test_the_service_sleeps_on_request_yields_to_ingest_and_survives_a_kill(tmp_
         st = wait_for(server, lambda s: s["samples_trained"] == 560, "train 20 more")
         arrived = st["sleep"]["new_since_fresh"]
         assert 10 <= arrived <= 20 and st["sleep"]["sleeps"] == sleeps + 1
+        assert st["sleep"]["schedule"]["night_min_new"] > 400  # growth 1: as many as had arrived before the last
+        time.sleep(7)  # idle past the night, too little new for one
+        assert status(server)["sleep"]["sleeps"] == sleeps + 1
+        server.stop()
+        server.env.update(ASER_SLEEP_FRESH_GROWTH="0.01")
+        server.start()
+        assert status(server)["sleep"]["schedule"]["night_min_new"] == 10  # 1% of 400-odd is under the floor
         st = wait_for(server, lambda s: s["sleep"]["sleeps"] == sleeps + 2 and s["sleep"]["state"] == "awake",
                       "a fresh sleep once idle")
         last = st["sleep"]["last"]
-        assert last["fresh"] and last["updates"] == 8 * (held + arrived) and st["sleep"]["new_since_fresh"] == 0
+        assert last["fresh"] and last["updates"] == 4 * (held + arrived) and st["sleep"]["new_since_fresh"] == 0
         time.sleep(7)  # idle past the night again, nothing new since: no other night's sleep
         assert status(server)["sleep"]["sleeps"] == sleeps + 2
         st = status(server)
         assert st["sleep"]["schedule"]["night_idle_s"] == 5.0
-        assert f"{sleeps + 2} sleeps, 0 new samples (0 since the last fresh)" in status_lines(st)  # `aser status`
+        assert (f"{sleeps + 2} sleeps, 0 new samples (0 since the last fresh, a night's needs 10)"
+                in status_lines(st))  # `aser status`
         metrics = httpx.get(f"{server.url}/metrics").text  # this process: the night's sleep, fresh
         fresh = [line for line in metrics.splitlines() if line.startswith('aser_sleeps_total{kind="fresh"')]
         assert sum(float(line.split()[-1]) for line in fresh) == 1.0, fresh

@@ -141,6 +141,20 @@ class Sleeper:
         them)."""
         return self.store.arrived - self.fresh_mark
 
+    def night_needs(self, min_new: int, growth: float) -> int:
+        """The arrivals since the last fresh sleep a night's (fresh) one waits for: `min_new`, and `growth` times
+        what had arrived before it, so that however often the device idles, the fresh sleeps' passes over the store
+        together cost at most (1 + 1 / growth) times the last one's.
+
+        >>> sleeper = Sleeper(SleepConfig(), (4,), False)
+        >>> sleeper.night_needs(100, 1.0)
+        100
+        >>> sleeper.fresh_mark = 1000
+        >>> sleeper.night_needs(100, 1.0), sleeper.night_needs(100, 0.5)
+        (1000, 500)
+        """
+        return max(min_new, math.ceil(growth * self.fresh_mark))
+
     def budget(self, fresh: bool = False) -> int:
         """A warm sleep's: `epochs` times the samples new since the last, and what a yielded one owes; a fresh one's:
         `fresh_epochs` (or `epochs`) passes over everything held."""

@@ -77,6 +77,7 @@ class LoopSpec:
     sleep_idle_s: float
     sleep_min_new: int
     sleep_fresh_idle_s: float
+    sleep_fresh_growth: float
     snapshots: SnapshotPlan
 
     @classmethod
@@ -85,6 +86,11 @@ class LoopSpec:
         plain = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "snapshots"}
         snapshots = {f.name: getattr(settings, "snapshot_" + f.name) for f in fields(SnapshotPlan)}
         return cls(**plain, snapshots=SnapshotPlan(**snapshots))
+
+    @property
+    def night_idle_s(self) -> float | None:
+        """The idle time after which a sleep is a night's (fresh) one; None: fresh sleeps only on request."""
+        return self.sleep_fresh_idle_s or None
 
 
 class LearnerWorker:
@@ -311,14 +317,15 @@ class LearnerWorker:
     def sleep_if_due(self) -> bool:
         """With ASER_SLEEP: a sleep when asked, or once nothing has been there to train for ASER_SLEEP_IDLE_S and
         ASER_SLEEP_MIN_NEW samples are new (or a sleep that yielded owes the rest); a fresh one after
-        ASER_SLEEP_FRESH_IDLE_S once ASER_SLEEP_MIN_NEW have arrived since the last fresh one. It yields to the next
-        sample acknowledged, a forgetting or a stop, between two of its steps. Returns whether it trained."""
+        ASER_SLEEP_FRESH_IDLE_S once enough has arrived since the last fresh one (`Sleeper.night_needs`). It yields to
+        the next sample acknowledged, a forgetting or a stop, between two of its steps. Returns whether it trained."""
         sleeper = self.learner.sleeper
         if sleeper is None or self.requests_waiting:
             return False
         s, asked = self.loop, self._sleep_asked.is_set()
         idle_s = time.monotonic() - self._busy_at
-        night = 0 < s.sleep_fresh_idle_s <= idle_s and sleeper.new_since_fresh >= s.sleep_min_new
+        night = (s.night_idle_s is not None and s.night_idle_s <= idle_s
+                 and sleeper.new_since_fresh >= sleeper.night_needs(s.sleep_min_new, s.sleep_fresh_growth))
         due = sleeper.new_samples >= s.sleep_min_new or sleeper.owed or sleeper.fresh_asked
         if not asked and not (idle_s >= s.sleep_idle_s and due) and not night:
             return False

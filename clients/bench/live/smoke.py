@@ -37,6 +37,10 @@ class SmokeFailure(AssertionError):
     pass
 
 
+class LearnerMovedOn(SmokeFailure):
+    """The learner published a newer model between a snapshot and the check of it."""
+
+
 def check(ok: bool, message: str) -> None:
     if not ok:
         raise SmokeFailure(message)
@@ -78,15 +82,28 @@ class Deployment:
                      lambda r=replica: r.status()["snapshot_id"] == snapshot["id"], timeout)
         return snapshot
 
+    def publish_and_agree(self, probes: list[bytes], tries: int = 3) -> tuple[dict, list[str]]:
+        """`publish`, then `agree`; again where the learner moved on in between (an idle learner sleeps, and a sleep
+        that changed the model publishes a snapshot of its own), at most `tries` times."""
+        for attempt in range(tries):
+            snapshot = self.publish()
+            try:
+                return snapshot, self.agree(snapshot, probes)
+            except LearnerMovedOn:
+                if attempt == tries - 1:
+                    raise
+
     def agree(self, snapshot: dict, probes: list[bytes]) -> list[str]:
         """Every replica labels the probes from `snapshot` exactly as the learner does."""
         learner = self.learner.predict(probes, k=1)
-        check(learner["model_version"] == snapshot["model_version"],
-              f"the learner answers version {learner['model_version']}, the snapshot is {snapshot['model_version']}")
+        if learner["model_version"] != snapshot["model_version"]:
+            raise LearnerMovedOn(f"the learner answers version {learner['model_version']}, the snapshot is "
+                                 f"{snapshot['model_version']}")
         labels = [r[0]["label"] for r in learner["results"]]
         for replica in self.replicas:
             answer = replica.predict(probes, k=1)
-            check(answer["snapshot_id"] == snapshot["id"], f"{replica.base_url} answered from {answer['snapshot_id']}")
+            if answer["snapshot_id"] != snapshot["id"]:
+                raise LearnerMovedOn(f"{replica.base_url} answered from {answer['snapshot_id']}, not {snapshot['id']}")
             theirs = [r[0]["label"] for r in answer["results"]]
             differ = sum(a != b for a, b in zip(labels, theirs, strict=True))
             check(differ == 0, f"{replica.base_url} labels {differ} of {len(probes)} images unlike the learner")
@@ -104,9 +121,8 @@ def stream(deployment: Deployment, data: Path, ledger_path: Path, per_class: int
         wait_for(f"{replica.base_url} to load a snapshot of its own accord", replica.ready, 180)
     ready_s = time.perf_counter() - started
     status = deployment.drain()
-    snapshot = deployment.publish()
     probes = [image for _, image in real_jpegs(data, 40, split="test", classes=FIRST_CLASSES)]
-    labels = deployment.agree(snapshot, probes)
+    snapshot, labels = deployment.publish_and_agree(probes)
     check(set(labels) <= set(FIRST_CLASSES), f"labels outside the classes sent: {set(labels)}")
     found = {"acknowledged": len(seqs), "trained": status["samples_trained"], "snapshot": snapshot["id"],
              "probes": len(probes), "replicas_ready_after_s": round(ready_s, 1)}
@@ -132,10 +148,10 @@ def verify(deployment: Deployment, data: Path, ledger_path: Path) -> dict:
     later = real_jpegs(data, ledger["per_class"] * len(LATER_CLASSES), classes=LATER_CLASSES)
     deployment.ingest([(label, image, new_id()) for label, image in later])
     status = deployment.drain()
-    snapshot = deployment.publish()
-    check(set(snapshot["classes"]) == set(FIRST_CLASSES + LATER_CLASSES), f"snapshot classes {snapshot['classes']}")
     classes = FIRST_CLASSES + LATER_CLASSES
-    deployment.agree(snapshot, [image for _, image in real_jpegs(data, 40, split="test", classes=classes)])
+    snapshot, _ = deployment.publish_and_agree([image for _, image in real_jpegs(data, 40, split="test",
+                                                                                 classes=classes)])
+    check(set(snapshot["classes"]) == set(classes), f"snapshot classes {snapshot['classes']}")
     return {"stream": ledger["stream"], "resent_duplicates": again["duplicates"],
             "samples_trained": status["samples_trained"], "snapshot": snapshot["id"], "classes": snapshot["classes"]}
 

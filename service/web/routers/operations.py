@@ -116,9 +116,10 @@ class SleepStore(BaseModel):
 class SleepSchedule(BaseModel):
     idle_s: float = Field(description="a sleep after this long without a sample to train (ASER_SLEEP_IDLE_S) ...")
     min_new: int = Field(description="... once this many are new since the last began (ASER_SLEEP_MIN_NEW)")
-    night_idle_s: float | None = Field(description="a night's sleep, fresh, after this long idle once "
-                                       "ASER_SLEEP_MIN_NEW have arrived since the last fresh one "
-                                       "(ASER_SLEEP_FRESH_IDLE_S); null: fresh only on request")
+    night_idle_s: float | None = Field(description="a night's sleep, fresh, after this long idle "
+                                       "(ASER_SLEEP_FRESH_IDLE_S) ...; null: fresh only on request")
+    night_min_new: int = Field(0, description="... once this many have arrived since the last fresh one began "
+                               "(ASER_SLEEP_MIN_NEW, and ASER_SLEEP_FRESH_GROWTH times those before it)")
 
 
 class SleepStatus(BaseModel):
@@ -131,8 +132,8 @@ class SleepStatus(BaseModel):
     owed: int = Field(description="sample-updates a sleep that yielded to arriving samples left for the next")
     fresh_asked: bool = Field(False, description="the next sleep trains the top again from ImageNet's weights over "
                               "everything held (POST /sleep?fresh=true, or a fresh sleep that yielded)")
-    new_since_fresh: int = Field(0, description="samples arrived since the last fresh sleep began (a fresh sleep "
-                                 "after ASER_SLEEP_FRESH_IDLE_S waits for ASER_SLEEP_MIN_NEW)")
+    new_since_fresh: int = Field(0, description="samples arrived since the last fresh sleep began (a night's "
+                                 "sleep waits for schedule.night_min_new)")
     sleeps: int = Field(description="sleeps in the lineage")
     sample_updates: int
     cpu_seconds: float
@@ -254,7 +255,8 @@ def sleep_status(worker, classes: list[str | None]) -> dict | None:
             "progress": None if current is None else {"updates": current.updates, "budget": current.budget,
                                                       "fresh": current.fresh},
             "schedule": {"idle_s": loop.sleep_idle_s, "min_new": loop.sleep_min_new,
-                         "night_idle_s": loop.sleep_fresh_idle_s or None},
+                         "night_idle_s": loop.night_idle_s,
+                         "night_min_new": sleeper.night_needs(loop.sleep_min_new, loop.sleep_fresh_growth)},
             "new_samples": sleeper.new_samples, "owed": sleeper.owed, "fresh_asked": sleeper.fresh_asked,
             "new_since_fresh": sleeper.new_since_fresh, "sleeps": sleeper.sleeps,
             "sample_updates": sleeper.updates, "cpu_seconds": round(sleeper.cpu_seconds, 2),

@@ -192,7 +192,7 @@ function sleepCard(st) {
       `; the next after ${when.idle_s} s idle once ${when.min_new} are new`],
     // a night's sleep: the top trained again from ImageNet's weights over everything held, brought by idle time
     ["night's sleep", (when.night_idle_s === null ? "fresh only on request"
-      : `after ${when.night_idle_s} s idle once ${when.min_new} have arrived since the last: ` +
+      : `after ${when.night_idle_s} s idle once ${when.night_min_new} have arrived since the last: ` +
         `${sleep.new_since_fresh} so far`) + (sleep.fresh_asked ? "; a fresh sleep is asked for" : "")],
     ["sleeps", `${sleep.sleeps}: ${sleep.sample_updates} sample-updates, ${sleep.cpu_seconds.toFixed(0)} CPU s`],
     ["last sleep", !last ? "none yet" : (last.fresh ? "fresh, " : "") +
