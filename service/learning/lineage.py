@@ -227,11 +227,14 @@ def sleep_on(settings: Settings, lineage: Lineage) -> bool:
                          "and ASER_HEAD_MEASURE=held-back")
     if settings.sleep is not None:
         return settings.sleep
-    wanted = sleep_asked(settings, {"method": lineage.method, "cut": lineage.cut})
-    if wanted and not can and lineage.backbone != "scratch":
-        log.info("no sleep: this data directory's lineage serves ASER_HEAD=%s at ASER_CUT=%s (a sleeping one needs "
-                 "an empty directory; ASER_SLEEP=false says so and quiets this)", lineage.head, lineage.cut)
-    return wanted and can
+    wanted = sleep_asked(settings, {"method": lineage.method})  # as a new directory would
+    sleeps = wanted and can and lineage.cut == SLEEP_DEFAULTS["cut"]
+    if wanted and not sleeps and lineage.backbone != "scratch":
+        log.info("no sleep: by default a learner sleeps at ASER_CUT=11 with ASER_HEAD=chosen measured on held-back "
+                 "samples, and this one serves ASER_HEAD=%s (ASER_HEAD_MEASURE=%s) at ASER_CUT=%s (another cut needs "
+                 "an empty data directory; ASER_SLEEP=false quiets this)", lineage.head, settings.head_measure,
+                 lineage.cut)
+    return sleeps
 
 
 def replay_batch_on(settings: Settings, device: str) -> int:
