@@ -169,7 +169,7 @@ class Settings(BaseSettings):
                                "memory learn each batch), and each class is served by the head its held-back samples "
                                "choose (unset ASER_CUT and ASER_HEAD become 11 and chosen) (unset: on for a replay "
                                "method on lite0 with ASER_HEAD, ASER_TRAINED_HEAD_FROM and ASER_IDLE_REHEARSAL "
-                               "unset, unless the data directory's lineage serves another head; off from scratch)")
+                               "unset, unless the data directory's lineage was made at another cut; off from scratch)")
     sleep_idle_s: float = Field(30.0, ge=0, description="with ASER_SLEEP: seconds without a sample to train before "
                                 "a sleep starts")
     sleep_min_new: int = Field(100, ge=1, description="with ASER_SLEEP: samples new since the last sleep that an idle "

@@ -191,7 +191,7 @@ def _default(settings: Settings, name: str, resolved: dict) -> object:
     options = PRETRAINED_DEFAULTS["options"] if pretrained else TUNED_DEFAULTS.get(resolved["method"], OPTIONS_OFF)
     if name in options:
         return options[name]
-    if pretrained and sleep_asked(settings, resolved) and name in SLEEP_DEFAULTS:
+    if pretrained and name in SLEEP_DEFAULTS and sleep_asked(settings, resolved):
         return SLEEP_DEFAULTS[name]
     return (PRETRAINED_DEFAULTS if pretrained else SCRATCH_DEFAULTS)[name]
 
