@@ -139,10 +139,10 @@ def test_a_measured_choice_needs_the_streaming_head():
         make_learner("cb-sv-duel", 4, backbone=PretrainedBackbone(input_size=64), choose_head=True)
 
 
-def held_back_learner(seed: int = 0):
+def held_back_learner(seed: int = 0, **options):
     """The measured choice on held-back samples, holding from each class's 2nd sample every 2nd, 4 at most."""
     learner = make_learner("cb-sv-duel", 4, mem_size=30, loss="ace", ema_decay=0.99, backbone=PretrainedBackbone(
-        input_size=64, cut=12), seed=seed, lr=0.01, serving_head="slda", choose_head="held-back")
+        input_size=64, cut=12), seed=seed, lr=0.01, serving_head="slda", choose_head="held-back", **options)
     learner.head_choice.held = HeldBack(hold_from=2, every=2, per_class=4, min_held=2)
     learner.head_choice.measure_every = 3
     return learner
@@ -179,6 +179,27 @@ def test_held_back_samples_train_no_head_and_the_choice_is_made_on_them(stream):
     twin.load_state_dict(copy.deepcopy(learner.state_dict()))
     assert twin.head_choice.chosen == learner.head_choice.chosen and twin.head_choice.pool == learner.head_choice.pool
     assert torch.equal(twin.head_choice.held.stacked()[0], stored) and twin.head_choice.held.seen == held.seen
+
+
+def test_a_restart_under_another_head_keeps_the_held_back_samples_and_probabilities_sum_to_one(stream):
+    """A directory trained under the measured choice, restarted to hand serving to the trained top
+    (ASER_TRAINED_HEAD_FROM): its held-back samples go on with the calibration, which answers as before the restart
+    whichever head serves; with none to go on from, the floor spreads over every class."""
+    from learner.heads.calibration import Calibration
+
+    batches, test = stream
+    learner = held_back_learner(calibrate=True)
+    for x, y in batches:
+        learner.observe(x, y)
+    handing = make_learner("cb-sv-duel", 4, mem_size=30, loss="ace", ema_decay=0.99, backbone=PretrainedBackbone(
+        input_size=64, cut=12), seed=0, lr=0.01, serving_head="slda", trained_head_from=1, calibrate=True)
+    handing.load_state_dict(copy.deepcopy(learner.state_dict()))
+    assert not handing.streams and handing.head_choice is None
+    assert handing.held_back.seen == learner.head_choice.held.seen and len(handing.held_back) == 16
+    assert handing.calibration().floor == learner.calibration().floor and handing.calibration().held == 16
+    assert torch.allclose(handing.logits(test).exp().sum(1), torch.ones(len(test)))
+    nothing_offered = Calibration(floor=0.5, live=torch.zeros(4, dtype=torch.bool))
+    assert torch.allclose(nothing_offered.probabilities(torch.randn(3, 4)).sum(1), torch.ones(3))
 
 
 def test_the_pool_leans_on_the_head_whose_probabilities_earn_the_likelihood():

@@ -106,7 +106,8 @@ class Calibration:
         if live is None:
             live = self.live[:logits.shape[1]] if self.live is not None else torch.ones(logits.shape[1])
         live = live.to(logits.device).float()
-        return (1 - self.floor) * probabilities + self.floor * live / live.sum().clamp_min(1.0)
+        live = torch.where(live.sum() > 0, live, torch.ones_like(live))  # none known offered: every column (they sum to 1)
+        return (1 - self.floor) * probabilities + self.floor * live / live.sum()
 
     def unknown_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
         """How unlike every learned class each image is, in standard deviations of known classes' scores out of

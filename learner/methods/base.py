@@ -636,8 +636,12 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             self.stream_head.load_state_dict(state["stream_head"])
         if self.head_choice is not None and "head_choice" in state:
             self.head_choice.load_state_dict(state["head_choice"])
-        if self._own_held is not None and "held_back" in state:
-            self._own_held.load_state_dict(state["held_back"])
+        # the samples kept out of every head's training go on with whichever head now keeps them: a restart under
+        # another head (ASER_HEAD, ASER_TRAINED_HEAD_FROM) neither trains on them nor forgets which classes came
+        held = state.get("held_back", state.get("head_choice", {}).get("held"))
+        loaded = self._own_held is None and "held" in state.get("head_choice", {})  # by the choice, above
+        if held is not None and self.held_back is not None and not loaded:
+            self.held_back.load_state_dict(held)
         if self.recent_features is not None:  # a state from before them: none kept yet
             self.recent_features.load_state_dict(state.get("recent_features", {}))
         self._calibration = None
