@@ -106,7 +106,7 @@ class Calibration:
         if live is None:
             live = self.live[:logits.shape[1]] if self.live is not None else torch.ones(logits.shape[1])
         live = live.to(logits.device).float()
-        live = torch.where(live.sum() > 0, live, torch.ones_like(live))  # none known offered: every column (they sum to 1)
+        live = torch.where(live.sum() > 0, live, torch.ones_like(live))  # none offered known: every column
         return (1 - self.floor) * probabilities + self.floor * live / live.sum()
 
     def unknown_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
