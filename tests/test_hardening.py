@@ -334,7 +334,15 @@ def test_retention_caps_the_database_and_forgets_ids_past_their_horizon(tmp_path
         # 0.1 MB is below what the memory's own rows need: the cap cannot be met, and it is said once
         wait_for(lambda: status(server)["storage"]["over_cap"], what="the cap reported unmet")
         assert "aser_database_over_cap 1.0" in httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
-        assert server.log_path.read_text().count("stays above ASER_RETAIN_MAX_MB") == 1
+        # said once an episode, not at every run (a loaded machine may let the size dip under the cap between runs
+        # while rows go past their horizon: a second episode)
+        said = server.log_path.read_text().count("stays above ASER_RETAIN_MAX_MB")
+        assert said >= 1
+        for _ in range(3):  # three more runs while the cap stays unmet say nothing more
+            last = status(server)["storage"]["retention_last_run"]
+            wait_for(lambda: status(server)["storage"]["retention_last_run"] > last, what="another retention run")
+        assert status(server)["storage"]["over_cap"]
+        assert server.log_path.read_text().count("stays above ASER_RETAIN_MAX_MB") == said
     finally:
         server.stop()
 
