@@ -183,8 +183,8 @@ def test_held_back_samples_train_no_head_and_the_choice_is_made_on_them(stream):
 
 def test_a_restart_under_another_head_keeps_the_held_back_samples_and_probabilities_sum_to_one(stream):
     """A directory trained under the measured choice, restarted to hand serving to the trained top
-    (ASER_TRAINED_HEAD_FROM): its held-back samples go on with the calibration, which answers as before the restart
-    whichever head serves; with none to go on from, the floor spreads over every class."""
+    (ASER_TRAINED_HEAD_FROM): its held-back samples go on (the same classes, the same count since the newest, so the
+    same floor) and its probabilities sum to one; with no class known to spread over, the floor goes to every one."""
     from learner.heads.calibration import Calibration
 
     batches, test = stream
