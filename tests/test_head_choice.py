@@ -247,6 +247,25 @@ def test_the_pool_weighs_the_top_only_on_measured_classes_so_a_young_one_keeps_s
     assert choice.pool_classes == [1] and choice.pool_of(3)[0].tolist() == [0.0, weights[1].item(), 0.0]
 
 
+def test_a_pool_over_no_learned_class_fits_nothing_and_one_over_them_sets_the_served_scale_at_any_weight():
+    """Before a sleep has taught the top a class the pool is streaming LDA's answer and fits no temperature (that is
+    calibration's, under streaming LDA's prior); once it weighs the top's classes, its fitted temperature has set the
+    served scale, even where the samples give the top no weight."""
+    choice = HeadChoice(measure="held-back", prior="pool")
+    choice.held = HeldBack(hold_from=1, every=1, per_class=20, min_held=10)
+    labels = torch.tensor([0] * 10 + [1] * 10)
+    choice.held.samples = {c: [(torch.zeros(1), torch.zeros(1))] * 10 for c in range(2)}
+    slda = torch.nn.functional.one_hot(labels, 2).float() * 0.6 + 0.2  # right on all, at 0.8
+    top = torch.nn.functional.one_hot(1 - labels, 2).float() * 0.9 + 0.05  # surely wrong on all
+    choice.top_classes = set()  # a sleeping learner before its first sleep
+    choice.choose_on_held({"slda": slda, "top": top}, labels)
+    assert choice.pool == (0.0, 1.0) and not choice.serves_fitted_pool(2)
+    choice.top_classes = {0, 1}
+    choice.choose_on_held({"slda": slda, "top": top}, labels)
+    assert choice.pool[0] == 0.0 and choice.pool[1] > 1.0  # no weight on the top; streaming LDA's answers sharpened
+    assert choice.serves_fitted_pool(2) and not choice.reads_top(2)
+
+
 def test_the_top_alone_answers_no_class_while_one_is_young():
     # classes 0 and 1 measured, class 2 offered but not yet: on the held samples the top, which gives class 2
     # nothing, is right where streaming LDA loses samples to class 2 (no prior: the search takes the first best head)

@@ -512,11 +512,14 @@ def test_between_sleeps_the_served_top_runs_in_onnxruntime_to_pytorchs_answers(e
     assert not isinstance(awake.inference_features(), TopGraph)
 
 
-def test_once_the_top_serves_the_temperature_prior_is_a_trained_softmaxs(eurosat_latents, streamed):
-    """Calibration's prior follows what is served: streaming LDA's logits (which earn a temperature near 5) until a
-    sleep has taught the top, then the composition's log-probabilities, already fitted by likelihood (near 1)."""
+def test_the_temperature_prior_is_streaming_ldas_until_the_pool_weighs_a_trained_top(eurosat_latents, streamed):
+    """Calibration's prior follows what is served. Before a sleep has taught the top a class the pool is streaming
+    LDA's answer and fits nothing: streaming LDA's logits earn a temperature near 5. Once the pool weighs the top, its
+    temperature, fitted by likelihood on the same held-back samples, has set the served scale: the prior is 1 (under
+    5, a hundred images into a class the top had not learned, the answers were far less sure than right:
+    docs/results/calibration.md)."""
     from learner import make_learner
-    from learner.heads.calibration import COMPOSED_PRIOR_TEMPERATURE, PRIOR_TEMPERATURE, fit_temperature
+    from learner.heads.calibration import FITTED_PRIOR_TEMPERATURE, PRIOR_TEMPERATURE, fit_temperature
     from learner.methods.sleep import SleepConfig
 
     learner = make_learner("cb-sv-duel", 4, mem_size=100, loss="ace", lr=0.01, ema_decay=0.99,
@@ -528,8 +531,9 @@ def test_once_the_top_serves_the_temperature_prior_is_a_trained_softmaxs(eurosat
         stored, frozen, labels = learner.held_back.stacked()
         return fit_temperature(learner.served_logits(stored, frozen).cpu(), labels, prior)
 
-    assert not learner.head_choice.reads_top(4)
-    assert learner.calibration().temperature == fitted_under(PRIOR_TEMPERATURE)
-    assert learner.sleep().kept and learner.head_choice.reads_top(4)
+    learner.measure_held()
+    assert learner.head_choice.pool == (0.0, 1.0) and not learner.head_choice.serves_fitted_pool(4)
     temperature = learner.calibration().temperature
-    assert temperature == fitted_under(COMPOSED_PRIOR_TEMPERATURE) != fitted_under(PRIOR_TEMPERATURE)
+    assert temperature == fitted_under(PRIOR_TEMPERATURE) != fitted_under(FITTED_PRIOR_TEMPERATURE)
+    assert learner.sleep().kept and learner.head_choice.serves_fitted_pool(4)
+    assert learner.calibration().temperature == fitted_under(FITTED_PRIOR_TEMPERATURE)

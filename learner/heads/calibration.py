@@ -49,9 +49,10 @@ import torch
 from torch.nn import functional as F
 
 PRIOR_TEMPERATURE = 5.0  # Split EuroSAT's and Split CIFAR-10's held-back samples fitted 2.8-10 (docs/results)
-# where the served answer reads the trained top (a softmax trained by cross-entropy, a pool fitted by likelihood):
-# under a sleep the prior at 5 held the fit near 1.2-2, the answers less sure than right (docs/results/calibration.md)
-COMPOSED_PRIOR_TEMPERATURE = 1.0
+# where the served logits' scale was fitted by likelihood already (the trained top's softmax, the pool's temperature
+# fitted on these same held-back samples): a prior at 5 held the fit near 1.2-2, the answers less sure than right
+# (under a sleep, and a hundred images into a young class; docs/results/calibration.md)
+FITTED_PRIOR_TEMPERATURE = 1.0
 # while nothing is held back yet (the first classes, under 20 samples each: their class means answer, whose held-back
 # samples fit 7-10 later): tf_flowers ten images into each new class 7.4% -> 6.8%, Split EuroSAT and CIFAR-10 unmoved
 FIRST_PRIOR_TEMPERATURE = 8.0

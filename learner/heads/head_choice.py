@@ -107,9 +107,13 @@ def serve(slda: torch.Tensor, top: torch.Tensor | None, choice: torch.Tensor,
 def fit_pool(slda: torch.Tensor, top: torch.Tensor, labels: torch.Tensor,
              weighed: torch.Tensor | None = None) -> tuple[float, float]:
     """The pool's (weight, temperature) of least negative log-likelihood on labelled samples, over a grid;
-    `weighed`: the classes the weight applies to (a mask; the others' term is streaming LDA's), else every one."""
+    `weighed`: the classes the weight applies to (a mask; the others' term is streaming LDA's), else every one. Over
+    none (a sleeping learner before its first sleep), the pool is streaming LDA's answer: it fits nothing, and its
+    temperature is calibration's to fit, under streaming LDA's prior (`learner.heads.calibration`)."""
     logs = slda.clamp_min(1e-30).log(), top.clamp_min(1e-30).log()
     weighed = torch.ones(slda.shape[1]) if weighed is None else weighed.float()
+    if not bool(weighed.any()):
+        return 0.0, 1.0
     best, fitted = float("inf"), UNFITTED_POOL
     for w in POOL_WEIGHTS:
         logits = logs[0] + w * weighed * (logs[1] - logs[0])
@@ -208,6 +212,13 @@ class HeadChoice:
     def reads_top(self, num_classes: int) -> bool:
         """Whether the served answer reads the top's probabilities (`reads_top`)."""
         return reads_top(self.choice(num_classes), self.pool_of(num_classes)[0])
+
+    def serves_fitted_pool(self, num_classes: int) -> bool:
+        """Whether a class is answered by the pool and the pool was fitted on the held-back samples over classes the
+        top has learned (`fit_pool`): the served logits' scale is then a likelihood fit already, even where the fitted
+        weight on the top is 0."""
+        fitted = self.held is not None and bool(self.held_accuracy) and bool(self.weighed(num_classes).any())
+        return fitted and bool((self.choice(num_classes) == CANDIDATES.index("pool")).any())
 
     def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities: each class's from its head, renormalised."""

@@ -18,9 +18,9 @@ import torch
 from torch.nn import functional as F
 
 from ..heads.calibration import (
-    COMPOSED_PRIOR_TEMPERATURE,
     FALSE_ALARM,
     FIRST_PRIOR_TEMPERATURE,
+    FITTED_PRIOR_TEMPERATURE,
     PRIOR_TEMPERATURE,
     Calibration,
     unit_means,
@@ -327,10 +327,11 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
                                self._calibration_prior(reads_top), known)
 
     def _calibration_prior(self, reads_top: bool) -> float:
-        """The temperature's prior for what is served: the trained top's fitted log-probabilities, streaming LDA, or,
-        while nothing is held back yet (every class under 20 samples), its nearest class means."""
-        if reads_top:
-            return COMPOSED_PRIOR_TEMPERATURE
+        """The temperature's prior for what is served: logits whose scale a likelihood fit set already (the trained
+        top's log-probabilities; the pool's temperature, fitted on these same held-back samples), streaming LDA's, or,
+        while nothing is held back yet (every class under 20 samples), its nearest class means'."""
+        if reads_top or (self.head_choice is not None and self.head_choice.serves_fitted_pool(self.num_classes)):
+            return FITTED_PRIOR_TEMPERATURE
         if self.stream_head is not None and not len(self.held_back):
             return FIRST_PRIOR_TEMPERATURE
         return PRIOR_TEMPERATURE
