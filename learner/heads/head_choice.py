@@ -110,10 +110,10 @@ def fit_pool(slda: torch.Tensor, top: torch.Tensor, labels: torch.Tensor,
     `weighed`: the classes the weight applies to (a mask; the others' term is streaming LDA's), else every one. Over
     none (a sleeping learner before its first sleep), the pool is streaming LDA's answer: it fits nothing, and its
     temperature is calibration's to fit, under streaming LDA's prior (`learner.heads.calibration`)."""
-    logs = slda.clamp_min(1e-30).log(), top.clamp_min(1e-30).log()
     weighed = torch.ones(slda.shape[1]) if weighed is None else weighed.float()
     if not bool(weighed.any()):
         return 0.0, 1.0
+    logs = slda.clamp_min(1e-30).log(), top.clamp_min(1e-30).log()
     best, fitted = float("inf"), UNFITTED_POOL
     for w in POOL_WEIGHTS:
         logits = logs[0] + w * weighed * (logs[1] - logs[0])
@@ -216,8 +216,8 @@ class HeadChoice:
     def serves_fitted_pool(self, num_classes: int) -> bool:
         """Whether a class is answered by the pool and the pool was fitted on the held-back samples over classes the
         top has learned (`fit_pool`): the served logits' scale is then a likelihood fit already, even where the fitted
-        weight on the top is 0."""
-        fitted = self.held is not None and bool(self.held_accuracy) and bool(self.weighed(num_classes).any())
+        weight on the top is 0. Only a choice on the held-back samples (`choose_on_held`) gives the pool classes."""
+        fitted = self.held is not None and bool(self.weighed(num_classes).any())
         return fitted and bool((self.choice(num_classes) == CANDIDATES.index("pool")).any())
 
     def compose(self, probabilities: dict[str, torch.Tensor]) -> torch.Tensor:
