@@ -6,7 +6,7 @@ tasks of two classes in batches of ten, a sleep at each task's end (as an idle s
 sample a class, at its end before the sleep and after it, the served probabilities on `--test-per-class` test tiles
 of every class seen, calibrated with the temperature fitted on the held-back samples under each prior
 (`learner.heads.calibration`: streaming LDA's, PRIOR_TEMPERATURE, and the composition's,
-COMPOSED_PRIOR_TEMPERATURE): their expected calibration error (15 bins) and mean confidence beside the accuracy.
+FITTED_PRIOR_TEMPERATURE): their expected calibration error (15 bins) and mean confidence beside the accuracy.
 Calibration never touches training, so one stream a seed measures both, paired.
 
     python -m clients.bench.stream.sleep_calibration --seeds 0-2 --out results/calibration/eurosat-under-sleep.json
@@ -29,13 +29,13 @@ from clients.bench.results import paired_difference
 from clients.bench.stream.sweep import seeds as parse_seeds
 from learner import make_learner
 from learner.data import load_dataset, task_batches
-from learner.heads.calibration import COMPOSED_PRIOR_TEMPERATURE, PRIOR_TEMPERATURE, fit_temperature
+from learner.heads.calibration import FITTED_PRIOR_TEMPERATURE, PRIOR_TEMPERATURE, fit_temperature
 from learner.methods.sleep import SleepConfig
 from learner.metrics import expected_calibration_error
 from learner.networks.backbone import make_backbone
 
 SIZE, CUT = 160, 11
-PRIORS = {"slda": PRIOR_TEMPERATURE, "composed": COMPOSED_PRIOR_TEMPERATURE}
+PRIORS = {"slda": PRIOR_TEMPERATURE, "composed": FITTED_PRIOR_TEMPERATURE}
 
 
 def sleeping_learner(seed: int):
