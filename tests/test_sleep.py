@@ -537,3 +537,59 @@ def test_the_temperature_prior_is_streaming_ldas_until_the_pool_weighs_a_trained
     assert temperature == fitted_under(PRIOR_TEMPERATURE) != fitted_under(FITTED_PRIOR_TEMPERATURE)
     assert learner.sleep().kept and learner.head_choice.serves_fitted_pool(4)
     assert learner.calibration().temperature == fitted_under(FITTED_PRIOR_TEMPERATURE)
+
+
+def test_a_photo_answered_by_a_class_the_top_has_not_learned_gets_streaming_ldas_answer_everywhere(tmp_path):
+    """After a sleep, ten-odd photos into a new class: the top has not learned it, so the pool answers it on streaming
+    LDA's term alone against the top's vote for the classes it knows, and its answers came far less sure than right
+    (docs/results/calibration.md). A photo answered by that class gets streaming LDA's own calibrated answer instead,
+    where that answer is the same: in the learner, the service's predictor and the ONNX snapshot alike; every other
+    photo keeps the pool's, and no answer moves."""
+    from dataclasses import replace
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from learner import make_learner
+    from learner.data import load_dataset, task_batches
+    from learner.methods.sleep import SleepConfig
+    from learner.networks.backbone import make_backbone
+    from service.learning.serving import Predictor
+    from service.storage.snapshots import PixelsToLogits, export_onnx
+
+    data = load_dataset("eurosat", EUROSAT_ZIP, train_per_class=120, test_per_class=30)  # 120: ten held back a class
+    backbone = make_backbone("lite0", data.image_shape, 64, 11, 16)
+    learner = make_learner("cb-sv-duel", 4, mem_size=100, loss="ace", lr=0.01, ema_decay=0.99, backbone=backbone,
+                           serving_head="slda", choose_head="held-back", head_prior="pool", train_every=0,
+                           sleep=SleepConfig(epochs=2), seed=0, calibrate=True)
+    for x, y in task_batches(data, [0, 1], 10, torch.Generator().manual_seed(0)):
+        learner.observe(x, y)
+    assert learner.sleep().kept
+    young = torch.nonzero(data.train_y == 2).flatten()[:12]
+    learner.observe(data.train_x[young], data.train_y[young])
+    test = data.test_x[data.test_y < 3]
+    candidates = learner.candidate_probabilities(test)
+    calibration = learner.calibration()
+    assert learner.head_choice.reads_top(4) and calibration.blind[:3].tolist() == [False, False, True]
+    pooled = calibration.probabilities(candidates["served"].clamp_min(1e-30).log())
+    streamed = replace(calibration, temperature=calibration.stream_temperature).probabilities(
+        candidates["slda"][:, :3].clamp_min(1e-30).log())  # over the classes it has: class 3 is not seen
+    streamed = torch.cat([streamed, torch.zeros(len(streamed), 1)], 1)
+    rows = (pooled.argmax(1) == 2) & (streamed.argmax(1) == 2)
+    served = torch.softmax(learner.logits(test), 1).cpu()
+    assert torch.equal(served.argmax(1), pooled.argmax(1)) and int(rows.sum()) >= 5
+    assert torch.allclose(served[rows], streamed[rows], atol=1e-6) and torch.allclose(served[~rows], pooled[~rows])
+    assert float(streamed[rows].max(1).values.mean()) > float(pooled[rows].max(1).values.mean())
+
+    labels, served = [data.class_names[c] for c in range(3)], served[:, :3]  # class 3 not seen: none of it
+    assert torch.allclose(served.sum(1), torch.ones(len(served)))
+    predictor = Predictor.from_learner(learner, labels, trained_upto=0)
+    assert torch.allclose(predictor.probabilities(test), served, atol=1e-4)  # its top: onnxruntime's
+    weight, bias, choice = learner.served_choice()
+    path = tmp_path / "young.onnx"
+    export_onnx(PixelsToLogits(learner.serving_model, [0, 1, 2], learner.served_head(), backbone=learner.backbone,
+                               stream_head=(weight, bias), choice=choice.tolist(),
+                               pool=learner.head_choice.pool_of(learner.num_classes), calibrated=calibration),
+                labels, path, {"head": "chosen"})
+    logits = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})[0]
+    assert np.abs(np.exp(logits) - served.numpy()).max() < 1e-4

@@ -74,6 +74,25 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, prior: float = P
     return float(TEMPERATURES[int(penalty.argmin())])
 
 
+def blind_answers(served: torch.Tensor, stream: torch.Tensor, blind: torch.Tensor) -> torch.Tensor:
+    """Each row of the served probabilities whose answer is a class in `blind` (a mask of the columns: classes whose
+    column reads nothing of the trained top, young since its last sleep), replaced by streaming LDA's calibrated row
+    where that gives the same answer. The top has not learned such a class, so its share of the pool weighs only the
+    classes it knows against it: the pool's margin for the young answer shrinks, and its probability falls far below
+    its accuracy (tf_flowers, ten photos into each new class under a sleep: 79% right at 0.53-0.62). Streaming LDA,
+    which has learned every class, is the one head whose answer covers it. No top-1 answer moves. Tensor operations
+    only (the ONNX snapshot carries it).
+
+    >>> served = torch.tensor([[0.5, 0.125, 0.375], [0.25, 0.625, 0.125]])  # rows answered by classes 0 and 1
+    >>> stream = torch.tensor([[0.75, 0.0, 0.25], [0.125, 0.75, 0.125]])
+    >>> blind_answers(served, stream, torch.tensor([True, False, False])).tolist()  # class 0 is young
+    [[0.75, 0.0, 0.25], [0.25, 0.625, 0.125]]
+    """
+    answer = served.argmax(1)
+    rows = blind.to(served.device)[answer] & (stream.argmax(1) == answer)
+    return torch.where(rows[:, None], stream, served)
+
+
 def unit_means(sums: torch.Tensor, counts: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Unit-norm class means [num_classes, d] from class sums and counts; a class without samples gets a zero row
     (a cosine of 0, below any learned class's on non-negative features)."""
@@ -99,16 +118,32 @@ class Calibration:
     false_alarm: float = FALSE_ALARM
     held: int = 0  # held-back samples it was fitted on
     scored: int = 0  # known classes' scores out of sample the threshold rests on (held-back and `known`)
+    # where the served answer reads a trained top: the classes whose column reads nothing of it (bool [classes]), and
+    # streaming LDA's own temperature, fitted on the same held-back samples (`blind_answers`); None: no such rows
+    blind: torch.Tensor | None = None
+    stream_temperature: float = PRIOR_TEMPERATURE
 
-    def probabilities(self, logits: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, live: torch.Tensor | None = None, stream: torch.Tensor | None = None,
+                      blind: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(logits / temperature), `floor` of it spread over the live classes (`live`: a mask of the logits'
-        columns, by default the first columns of `self.live`)."""
-        probabilities = torch.softmax(logits / self.temperature, 1)
+        columns, by default the first columns of `self.live`); with `stream`, streaming LDA's logits of the same
+        images, its answer where `blind_answers` says (`blind`: a mask of the columns, by default `self.blind`'s)."""
         if live is None:
             live = self.live[:logits.shape[1]] if self.live is not None else torch.ones(logits.shape[1])
         live = live.to(logits.device).float()
         live = torch.where(live.sum() > 0, live, torch.ones_like(live))  # none offered known: every column
-        return (1 - self.floor) * probabilities + self.floor * live / live.sum()
+        probabilities = self._floored(logits, self.temperature, live)
+        if blind is None and self.blind is not None:
+            blind = self.blind[:logits.shape[1]]
+        if stream is None or blind is None:
+            return probabilities
+        # a column streaming LDA has no class for holds the logarithm's clamp (1e-30), which its temperature (often 5
+        # and more) would lift to a share: none offered, none given
+        stream = torch.where(live > 0, stream, torch.full_like(stream, -1e4))
+        return blind_answers(probabilities, self._floored(stream, self.stream_temperature, live), blind)
+
+    def _floored(self, logits: torch.Tensor, temperature: float, live: torch.Tensor) -> torch.Tensor:
+        return (1 - self.floor) * torch.softmax(logits / temperature, 1) + self.floor * live / live.sum()
 
     def unknown_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None) -> torch.Tensor:
         """How unlike every learned class each image is, in standard deviations of known classes' scores out of
@@ -134,13 +169,18 @@ class Calibration:
     def fit(cls, logits: torch.Tensor, labels: torch.Tensor, offered: int, live: torch.Tensor,
             frozen: torch.Tensor | None = None, means: torch.Tensor | None = None,
             false_alarm: float = FALSE_ALARM, prior: float = PRIOR_TEMPERATURE,
-            known: torch.Tensor | None = None) -> "Calibration":
+            known: torch.Tensor | None = None, blind: torch.Tensor | None = None,
+            stream_logits: torch.Tensor | None = None) -> "Calibration":
         """Fitted on held-back samples (their served logits and labels, their frozen features, and the class means:
         both or neither), `offered` samples after the newest of the `live` classes arrived; `prior`: the
         temperature's prior (`fit_temperature`); `known`: more known classes' `distance`s taken out of sample
-        (`learner.heads.recent_features`), which the score's scale and threshold take in beside the held-back ones."""
+        (`learner.heads.recent_features`), which the score's scale and threshold take in beside the held-back ones;
+        `blind` and `stream_logits` (streaming LDA's logits of the held-back samples): `blind_answers`, its
+        temperature under streaming LDA's prior."""
         fitted = cls(fit_temperature(logits, labels, prior), 1 / (offered + 2), live, means, false_alarm=false_alarm,
                      held=len(labels))
+        if blind is not None and stream_logits is not None:
+            fitted = replace(fitted, blind=blind, stream_temperature=fit_temperature(stream_logits, labels))
         if len(labels) < MIN_FOR_THRESHOLD:
             return fitted
         raw = fitted.raw_score(fitted.probabilities(logits.float()), frozen)
@@ -152,6 +192,7 @@ class Calibration:
 
     def summary(self) -> dict:
         return {"temperature": round(self.temperature, 4), "floor": round(self.floor, 6), "held_back": self.held,
+                "stream_temperature": None if self.blind is None else round(self.stream_temperature, 4),
                 "false_alarm": self.false_alarm,
                 "unknown_threshold": None if self.threshold is None else round(self.threshold, 4),
                 "threshold_samples": self.scored}

@@ -78,18 +78,27 @@ def candidates(slda: torch.Tensor, top: torch.Tensor | None, pool: tuple[float, 
     return {"slda": slda, "top": top, "mix": (slda + top) / 2, "pool": pooled(slda, top, *pool)}
 
 
-def reads_top(choice: torch.Tensor, pool_weight: torch.Tensor) -> bool:
-    """Whether answers composed by `choice` (indices into CANDIDATES) with the pool's weight a class read the top's
-    probabilities: a class answered by the top or the mix, or by a pool with a weight on the top. Where they do not,
-    the top's probabilities taken as all ones give the same answers without the top's pass.
+def columns_reading_top(choice: torch.Tensor, pool_weight: torch.Tensor) -> torch.Tensor:
+    """Which classes' columns, composed by `choice` (indices into CANDIDATES) with the pool's weight a class, read the
+    top's probabilities (a mask): a class answered by the top or the mix, or by a pool with a weight on it.
 
     >>> slda_and_pool = torch.tensor([0, 3])  # class 0 by streaming LDA, class 1 by the pool
+    >>> columns_reading_top(slda_and_pool, torch.tensor([0.0, 0.4])).tolist()
+    [False, True]
+    """
+    by_top = torch.isin(choice, torch.tensor([CANDIDATES.index("top"), CANDIDATES.index("mix")]))
+    return by_top | ((choice == CANDIDATES.index("pool")) & (pool_weight != 0))
+
+
+def reads_top(choice: torch.Tensor, pool_weight: torch.Tensor) -> bool:
+    """Whether answers composed by `choice` with the pool's weight a class read the top's probabilities at all. Where
+    they do not, the top's probabilities taken as all ones give the same answers without the top's pass.
+
+    >>> slda_and_pool = torch.tensor([0, 3])
     >>> reads_top(slda_and_pool, torch.tensor([0.0, 0.0])), reads_top(slda_and_pool, torch.tensor([0.0, 0.4]))
     (False, True)
     """
-    if bool(torch.isin(choice, torch.tensor([CANDIDATES.index("top"), CANDIDATES.index("mix")])).any()):
-        return True
-    return bool((pool_weight[choice == CANDIDATES.index("pool")] != 0).any())
+    return bool(columns_reading_top(choice, torch.as_tensor(pool_weight).broadcast_to(choice.shape)).any())
 
 
 def stack(answers: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -212,6 +221,12 @@ class HeadChoice:
     def reads_top(self, num_classes: int) -> bool:
         """Whether the served answer reads the top's probabilities (`reads_top`)."""
         return reads_top(self.choice(num_classes), self.pool_of(num_classes)[0])
+
+    def blind_columns(self, num_classes: int) -> torch.Tensor | None:
+        """Where the served answer reads the top: the classes whose column reads nothing of it (a mask; young ones,
+        answered by streaming LDA's term), else None."""
+        reading = columns_reading_top(self.choice(num_classes), self.pool_of(num_classes)[0])
+        return ~reading if bool(reading.any()) else None
 
     def serves_fitted_pool(self, num_classes: int) -> bool:
         """Whether a class is answered by the pool and the pool was fitted on the held-back samples over classes the

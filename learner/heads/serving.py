@@ -120,8 +120,10 @@ class Serving:
     def logits(self, images: torch.Tensor, batch_size: int = 512, serving: bool = True) -> torch.Tensor:
         """Eval-mode logits of the serving weights (or, `serving=False`, of the trained ones); where the learner
         calibrates, the logarithms of the calibrated probabilities (`calibration`)."""
-        logits = self._logits(images, batch_size, serving)
         calibration = self.calibration() if serving else None
+        if calibration is not None and self.head_choice is not None and len(images):  # streaming LDA's answer too
+            return self.calibrated(self.candidate_probabilities(images, batch_size)).log().to(self.device)
+        logits = self._logits(images, batch_size, serving)
         return logits if calibration is None else calibration.probabilities(logits.cpu()).log().to(logits.device)
 
     def unknown_scores(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
@@ -134,10 +136,14 @@ class Serving:
             frozen = self._eval_map(lambda x: x, images, batch_size, self.frozen_features).cpu()
         return calibration.unknown_score(probabilities, frozen)
 
-    def calibrated(self, served: torch.Tensor) -> torch.Tensor:
-        """Served probabilities as `candidate_probabilities` gives them, calibrated (`calibration`)."""
-        calibration = self.calibration()
-        return served if calibration is None else calibration.probabilities(served.clamp_min(1e-30).log())
+    def calibrated(self, candidates: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The served probabilities of `candidate_probabilities`, calibrated (`calibration`: streaming LDA's answer
+        where the served one is a class the top has not learned)."""
+        calibration, served = self.calibration(), candidates["served"]
+        if calibration is None:
+            return served
+        stream = candidates["slda"].clamp_min(1e-30).log()
+        return calibration.probabilities(served.clamp_min(1e-30).log(), stream=stream)
 
     def served_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None = None,
                       top: torch.Tensor | None = None) -> torch.Tensor:

@@ -314,17 +314,22 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         live = torch.zeros(self.num_classes, dtype=torch.bool)
         live[[c for c in held.seen if c < self.num_classes]] = True  # offered, not forgotten
         reads_top = self.head_choice is not None and self.head_choice.reads_top(self.num_classes)
+        blind, stream_logits = None, None
         if len(held):
             stored, frozen, labels = held.stacked()
             frozen = frozen if self.stream_head is not None else None
             logits = self.served_logits(stored.to(self.device), frozen,
                                         self.held_top_probabilities() if reads_top else None).cpu()
+            if reads_top and self.stream_head is not None:  # `learner.heads.calibration.blind_answers`
+                blind = self.head_choice.blind_columns(self.num_classes)
+                stream = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
+                stream_logits = stream.clamp_min(1e-30).log()  # as served: the logarithms of its probabilities
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
         known = None if self.recent_features is None else \
             self.recent_features.distances(self.stream_head.sums, self.stream_head.counts, means)
         return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
-                               self._calibration_prior(reads_top), known)
+                               self._calibration_prior(reads_top), known, blind, stream_logits)
 
     def _calibration_prior(self, reads_top: bool) -> float:
         """The temperature's prior for what is served: logits whose scale a likelihood fit set already (the trained

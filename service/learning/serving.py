@@ -106,6 +106,7 @@ class Predictor:
     def answers_encoded(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`answers` of images already through `encode` (the learner's own step encodes once)."""
         with torch.inference_mode():
+            stream = None
             if self.choice is None:
                 logits = self._head_logits(stored, frozen)
             else:
@@ -114,10 +115,11 @@ class Predictor:
                 # no class reads the top (before a sleep): the same answers without its pass over the upper stages
                 top = torch.softmax(self._head_logits(stored, frozen), 1) if self.reads_top else None
                 logits = serve(streaming, top, self.choice, self.pool).clamp_min(1e-30).log()
+                stream = streaming.clamp_min(1e-30).log()
             if self.calibration is None:
                 probabilities = torch.softmax(logits, 1)
                 return probabilities.cpu(), torch.full((len(logits),), float("nan"))
-            probabilities = self.calibration.probabilities(logits)
+            probabilities = self.calibration.probabilities(logits, stream=stream)
             return probabilities.cpu(), self.calibration.unknown_score(probabilities, frozen).cpu()
 
     def _head_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:

@@ -70,6 +70,9 @@ class PixelsToLogits(nn.Module):
         if calibrated is not None:  # the classes the floor spreads over, of the rows the graph answers
             live = calibrated.live if calibrated.live is not None else torch.ones(max(rows) + 1, dtype=torch.bool)
             self.register_buffer("live", live[rows].clone())
+            # the classes whose rows take streaming LDA's calibrated answer (`blind_answers`), of the rows answered
+            blind = None if calibrated.blind is None or choice is None else calibrated.blind[rows].clone()
+            self.register_buffer("blind", blind)
         # "none of these" reads the frozen features where the learner's does (it has class means of them)
         self.reads_frozen = calibrated is not None and calibrated.means is not None and not frozen_features
         if self.chooses:
@@ -91,23 +94,24 @@ class PixelsToLogits(nn.Module):
         self.eval()
 
     def forward(self, pixels: torch.Tensor):
-        logits, frozen = self._logits(pixels)
+        logits, frozen, stream = self._logits(pixels)
         if self.calibrated is None:
             return logits
-        probabilities = self.calibrated.probabilities(logits, self.live)
+        probabilities = self.calibrated.probabilities(logits, self.live, stream, self.blind)
         return probabilities.log(), self.calibrated.unknown_score(probabilities, frozen)
 
-    def _logits(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The served logits before calibration, and the frozen features where they were computed."""
+    def _logits(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The served logits before calibration, the frozen features where they were computed, and under a choice
+        streaming LDA's logits (the logarithms of its probabilities)."""
         if self.chooses:
             top, frozen = self.features(pixels) if self.reads_top else (None, self.features(pixels))
             streaming = torch.softmax(self.stream_head(frozen), 1)
             trained = torch.softmax(self.head(top), 1) if self.reads_top else None
             served = serve(streaming, trained, self.choice, (self.pool_weight, self.pool_temperature))
-            return served.clamp_min(1e-30).log(), frozen
+            return served.clamp_min(1e-30).log(), frozen, streaming.clamp_min(1e-30).log()
         features, frozen = self.features(pixels) if self.reads_frozen else (self.features(pixels), None)
         frozen = features if self.frozen_features else frozen
-        return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features), frozen
+        return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features), frozen, None
 
 
 def _rows(weight: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> nn.Linear:

@@ -392,7 +392,8 @@ class AnytimeProbe:
                 answers = {"anytime": served.argmax(1)}
             else:  # the served answer and each candidate's, from one pass
                 probabilities = learner.candidate_probabilities(self.test[0])
-                served = learner.calibrated(probabilities.pop("served"))
+                served = learner.calibrated(probabilities)
+                probabilities.pop("served")
                 answers = {"anytime": served.argmax(1),
                            **{f"anytime_{name}": p.argmax(1) for name, p in probabilities.items()}}
             run.setdefault("anytime_calibration", {}).setdefault(point, []).append(

@@ -64,6 +64,9 @@ class Calibrated(BaseModel):
                          "n samples after the newest class's first, so that no answer claims more certainty than "
                          "they can give")
     held_back: int = Field(description="samples held back from training it was fitted on (none: the prior's)")
+    stream_temperature: float | None = Field(None, description="where the answer reads a trained top: streaming "
+                                             "LDA's own temperature, whose calibrated answer a photo answered by a "
+                                             "class the top has not learned yet gets (null: no such class)")
     false_alarm: float = Field(description="the share of known classes' photos \"none of these\" is set to flag "
                                "(ASER_UNKNOWN_FALSE_ALARM)")
     unknown_threshold: float | None = Field(description="an image whose unknown_score passes it is unknown (null: "
