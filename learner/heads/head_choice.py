@@ -98,7 +98,7 @@ def reads_top(choice: torch.Tensor, pool_weight: torch.Tensor) -> bool:
     >>> reads_top(slda_and_pool, torch.tensor([0.0, 0.0])), reads_top(slda_and_pool, torch.tensor([0.0, 0.4]))
     (False, True)
     """
-    return bool(columns_reading_top(choice, torch.as_tensor(pool_weight).broadcast_to(choice.shape)).any())
+    return bool(columns_reading_top(choice, pool_weight).any())
 
 
 def stack(answers: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -318,12 +318,15 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         if len(held):
             stored, frozen, labels = held.stacked()
             frozen = frozen if self.stream_head is not None else None
-            logits = self.served_logits(stored.to(self.device), frozen,
-                                        self.held_top_probabilities() if reads_top else None).cpu()
-            if reads_top and self.stream_head is not None:  # `learner.heads.calibration.blind_answers`
-                blind = self.head_choice.blind_columns(self.num_classes)
-                stream = torch.softmax(self.solved_head().full_logits(frozen.cpu().float(), self.num_classes), 1)
-                stream_logits = stream.clamp_min(1e-30).log()  # as served: the logarithms of its probabilities
+            if reads_top and self.stream_head is not None:  # one pass: the served answer and streaming LDA's
+                probabilities = self.head_probabilities(stored.to(self.device), frozen,
+                                                        top=self.held_top_probabilities())
+                logits = self.head_choice.compose(probabilities).clamp_min(1e-30).log()  # as `served_logits`
+                blind = self.head_choice.blind_columns(self.num_classes)  # `calibration.blind_answers`
+                stream_logits = probabilities["slda"].clamp_min(1e-30).log()
+            else:
+                logits = self.served_logits(stored.to(self.device), frozen,
+                                            self.held_top_probabilities() if reads_top else None).cpu()
         else:
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
         known = None if self.recent_features is None else \
