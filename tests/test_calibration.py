@@ -64,8 +64,45 @@ def test_a_restored_learner_answers_with_the_same_calibration(encoded, learned):
     restored = make_learner("slda", data.num_classes, backbone=backbone, seed=0, calibrate=True)
     restored.load_state_dict(learned.state_dict())
     assert restored.calibration().summary() == learned.calibration().summary()
+    assert restored.calibration().parts == learned.calibration().parts
     x = data.test_x[:50]
     assert torch.allclose(restored.logits(x), learned.logits(x))
+
+
+def test_none_of_these_reads_the_stored_latents_channel_means_beside_the_frozen_features(encoded, learned):
+    """At cut 11 the stored latent is block 11's input: its channel means keep the textures and colours that the last
+    layer's pooling averages away, and tell photos from satellite tiles on their own. The score adds their distance to
+    the nearest class's, each part standardised; the latest trained samples keep them, scored out of sample alike."""
+    data, far, backbone = encoded
+    calibration, recent = learned.calibration(), learned.recent_features
+    assert calibration.parts is not None and backbone.channels == recent.channels > 0
+    assert all(recent.channel_rows(c).shape == (len(recent.keys(c)), backbone.channels) for c in recent.kept)
+    assert calibration.summary()["threshold_samples"] == calibration.held + len(recent)
+    known = data.test_x[data.test_y < 6]
+    channel = [calibration.channel_distance(backbone.channel_means(x)) for x in (known, far)]
+    assert auroc(*channel) > 0.9
+    probabilities = torch.softmax(learned.logits(known[:5]), 1).cpu()
+    with pytest.raises(ValueError, match="channel means"):
+        calibration.unknown_score(probabilities, learned.frozen_features(known[:5]).cpu())
+
+
+def test_a_state_from_before_the_channel_means_restores_with_the_frozen_distance_alone(encoded, learned):
+    """A service restarted from a checkpoint saved before the channel means were kept scores as before (its classes
+    have none of them) rather than on half a sum, and starts its latest samples afresh."""
+    from learner import make_learner
+
+    data, _, backbone = encoded
+    state = learned.state_dict()
+    del state["channel_sums"]
+    state["recent_features"] = {c: (keys, rows[:, :-backbone.channels]) for c, (keys, rows, _) in
+                                state["recent_features"].items()}
+    restored = make_learner("slda", data.num_classes, backbone=backbone, seed=0, calibrate=True)
+    restored.load_state_dict(state)
+    calibration = restored.calibration()
+    assert calibration.parts is None and len(restored.recent_features) == 0
+    x = data.test_x[:20]
+    assert torch.allclose(restored.logits(x), learned.logits(x))
+    assert torch.isfinite(restored.unknown_scores(x)).all()
 
 
 def test_a_forgotten_class_leaves_the_held_back_samples(encoded, learned):

@@ -591,5 +591,10 @@ def test_a_photo_answered_by_a_class_the_top_has_not_learned_gets_streaming_ldas
                                stream_head=(weight, bias), choice=choice.tolist(),
                                pool=learner.head_choice.pool_of(learner.num_classes), calibrated=calibration),
                 labels, path, {"head": "chosen"})
-    logits = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})[0]
+    logits, scores = ort.InferenceSession(str(path)).run(None, {"pixels": test.numpy()})
     assert np.abs(np.exp(logits) - served.numpy()).max() < 1e-4
+    # "none of these" reads the stored latent's channel means beside the frozen features, alike everywhere
+    assert calibration.parts is not None
+    learned = learner.unknown_scores(test)
+    assert torch.allclose(predictor.answers(test)[1], learned, atol=1e-3)
+    assert np.abs(scores - learned.numpy()).max() < 1e-3

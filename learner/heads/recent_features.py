@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-TOTAL = 1000  # samples kept over all classes: 2.6 MB of 1,280 features in fp16
+TOTAL = 1000  # samples kept over all classes: 2.8 MB of 1,280 features and 112 channel means in fp16
 MIN_PER_CLASS = 10  # where many classes share them
 
 
@@ -69,8 +69,11 @@ class ClassRing:
 
 
 class RecentFeatures:
-    def __init__(self, total: int = TOTAL, min_per_class: int = MIN_PER_CLASS):
-        self.total, self.min_per_class = total, min_per_class
+    """`channels`: the number of the stored latent's channel means kept after each sample's frozen features (0: none),
+    which "none of these" scores beside them (`channel_distances`)."""
+
+    def __init__(self, total: int = TOTAL, min_per_class: int = MIN_PER_CLASS, channels: int = 0):
+        self.total, self.min_per_class, self.channels = total, min_per_class, channels
         self.kept: dict[int, ClassRing] = {}  # class -> its latest samples' keys (the caller's or -1) and features
 
     @property
@@ -87,10 +90,21 @@ class RecentFeatures:
         return self.kept[class_id].keys() if class_id in self.kept else []
 
     def features(self, class_id: int) -> torch.Tensor:
-        return self.kept[class_id].features()
+        rows = self.kept[class_id].features()
+        return rows[:, :rows.shape[1] - self.channels]
 
-    def keep(self, frozen: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None) -> None:
-        """Samples streaming LDA's class sums have just taken in (the same features)."""
+    def channel_rows(self, class_id: int) -> torch.Tensor:
+        rows = self.kept[class_id].features()
+        return rows[:, rows.shape[1] - self.channels:]
+
+    def keep(self, frozen: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None,
+             channels: torch.Tensor | None = None) -> None:
+        """Samples streaming LDA's class sums have just taken in (the same features; the stored latents' channel
+        means where kept)."""
+        if (channels is None) != (self.channels == 0):
+            raise ValueError(f"expected the stored latents' {self.channels} channel means beside the features")
+        if channels is not None:
+            frozen = torch.cat([frozen.to(channels.device, channels.dtype), channels], 1)
         labels = labels.cpu().tolist()
         keys = [-1] * len(labels) if keys is None else keys.cpu().tolist()
         new = sorted(set(labels) - set(self.kept))
@@ -106,7 +120,14 @@ class RecentFeatures:
         `sums` and `counts`, as the calibration has them), its own class's mean taken without it
         (`Calibration.distance`'s score, out of sample); a sample alone in its class has no mean there. A class at a
         time: a fit's extra memory is one class's samples, not all of them in float64."""
-        parts = [self._class_distances(c, ring.features(), sums, counts, means)
+        parts = [self._class_distances(c, self.features(c), sums, counts, means)
+                 for c, ring in self.kept.items() if c < len(means) and ring.size]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def channel_distances(self, sums: torch.Tensor, counts: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+        """`distances` of the kept channel means (`Calibration.channel_distance`'s score, out of sample), from the
+        class sums of the channel means; the same samples in the same order."""
+        parts = [self._class_distances(c, self.channel_rows(c), sums, counts, means)
                  for c, ring in self.kept.items() if c < len(means) and ring.size]
         return torch.cat(parts) if parts else torch.zeros(0)
 
@@ -115,7 +136,7 @@ class RecentFeatures:
                          means: torch.Tensor) -> torch.Tensor:
         x = x.float()
         unit = F.normalize(x, dim=1)
-        cosine = unit @ means.T
+        cosine = unit @ means.T - 3 * (means.abs().sum(1) == 0).float()  # a class without samples is never nearest
         rest = float(counts[c]) - 1
         own = F.normalize(((sums[c] - x.double()) / rest).float(), dim=1) if rest > 0 else torch.zeros_like(x)
         cosine[:, c] = (unit * own).sum(1)
@@ -135,9 +156,12 @@ class RecentFeatures:
         self.kept.pop(class_id, None)
 
     def state_dict(self) -> dict:
-        return {c: (ring.keys(), ring.features()) for c, ring in self.kept.items() if ring.size}
+        return {c: (ring.keys(), ring.features(), self.channels) for c, ring in self.kept.items() if ring.size}
 
     def load_state_dict(self, state: dict) -> None:
+        """A state kept with another number of channel means (before they were kept: pairs) starts empty: its rows
+        would not line up, and the stream refills them."""
+        if any((entry[2] if len(entry) == 3 else 0) != self.channels for entry in state.values()):
+            state = {}
         n = self._capacity(len(state))
-        self.kept = {int(c): ClassRing.of(list(keys), features.to(torch.float16), n)
-                     for c, (keys, features) in state.items()}
+        self.kept = {int(c): ClassRing.of(list(entry[0]), entry[1].to(torch.float16), n) for c, entry in state.items()}

@@ -131,10 +131,17 @@ class Serving:
         `calibrate` only."""
         calibration = self.calibration()
         probabilities = torch.softmax(self.logits(images, batch_size), 1).cpu()
-        frozen = None
+        frozen = channels = None
         if self.stream_head is not None:
             frozen = self._eval_map(lambda x: x, images, batch_size, self.frozen_features).cpu()
-        return calibration.unknown_score(probabilities, frozen)
+        if calibration.parts is not None:
+            channels = self._eval_map(lambda x: x, images, batch_size, self.channel_means).cpu()
+        return calibration.unknown_score(probabilities, frozen, channels)
+
+    def channel_means(self, images: torch.Tensor) -> torch.Tensor:
+        """The stored latents' channel means of images (or stored latents): what "none of these" reads beside the
+        frozen features."""
+        return self.backbone.channel_means(self.backbone.encode(images))
 
     def calibrated(self, candidates: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities of `candidate_probabilities`, calibrated (`calibration`: streaming LDA's answer

@@ -30,7 +30,7 @@ from ..heads.head_choice import HeadChoice
 from ..heads.held_back import HeldBack
 from ..heads.recent_features import RecentFeatures
 from ..heads.serving import Serving
-from ..heads.streaming_lda import LinearHead, make_head
+from ..heads.streaming_lda import LinearHead, StreamingClassMeans, make_head
 from ..memory.buffer import record_admitted, rows_of
 from ..memory.latent import Latent
 from ..memory.policy import StepContext
@@ -147,8 +147,12 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         self.confirmed: set[int] = set()  # keys of samples a person said are labelled right: never suspects
         self._own_held = HeldBack() if calibrate and (self.head_choice is None or self.head_choice.held is None) \
             else None
-        # more out-of-sample scores for "none of these"'s threshold than the held-back samples give
-        self.recent_features = RecentFeatures() if calibrate and self.stream_head is not None else None
+        # more out-of-sample scores for "none of these"'s threshold than the held-back samples give; beside the frozen
+        # features, the stored latents' channel means and their class sums (`Calibration.channel_distance`)
+        scores_frozen = calibrate and self.stream_head is not None
+        channels = (self.backbone.channels or 0) if scores_frozen else 0
+        self.recent_features = RecentFeatures(channels=channels) if scores_frozen else None
+        self.channel_sums = StreamingClassMeans(channels) if channels else None
         self._calibration: tuple | None = None  # (the solved head and the counts it was fitted at, the Calibration)
         # a sleep (`learner.methods.sleep`) trains the top over the latents of every sample trained on while idle
         self.sleeper = Sleeper(sleep, self.backbone.stored_shape, self.backbone.stored_dtype == torch.uint8, seed,
@@ -197,7 +201,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             if not labels.numel():  # all held back: nothing trains, the call still counts
                 self.steps += 1
                 return {}
-        self._update_stream_head(frozen, labels, keys)
+        self._update_stream_head(frozen, labels, keys, images)
         self._keep_for_sleep(images, labels, keys)
         with record_admitted(getattr(self, "buffer", None), pixels, images, keys, *self._admitted_features(frozen)), \
                 self._incoming(images, frozen):
@@ -331,8 +335,25 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             logits, frozen, labels = torch.zeros(0, self.num_classes), None, torch.zeros(0, dtype=torch.long)
         known = None if self.recent_features is None else \
             self.recent_features.distances(self.stream_head.sums, self.stream_head.counts, means)
+        channels, channel_means, known_channels = self._channel_parts(live, stored if len(held) else None)
         return Calibration.fit(logits, labels, held.offered_since_newest, live, frozen, means, self.false_alarm,
-                               self._calibration_prior(reads_top), known, blind, stream_logits)
+                               self._calibration_prior(reads_top), known, blind, stream_logits, channels,
+                               channel_means, known_channels)
+
+    def _channel_parts(self, live: torch.Tensor, stored: torch.Tensor | None) -> tuple:
+        """What "none of these" reads of the stored latents' channel means (`Calibration.fit`): the held-back
+        samples', the classes' unit means and the recent samples' distances out of sample; none until every live
+        class has them (a state saved before they were kept has none for the classes it held)."""
+        sums = self.channel_sums
+        if sums is None or stored is None:
+            return None, None, None
+        counts = torch.zeros(len(live), dtype=torch.float64)
+        counts[:min(len(live), len(sums.counts))] = sums.counts[:len(live)]
+        if bool((counts[live] <= 0).any()):
+            return None, None, None
+        means = unit_means(sums.sums, sums.counts, self.num_classes)
+        channels = self.backbone.channel_means(stored).cpu()
+        return channels, means, self.recent_features.channel_distances(sums.sums, sums.counts, means)
 
     def _calibration_prior(self, reads_top: bool) -> float:
         """The temperature's prior for what is served: logits whose scale a likelihood fit set already (the trained
@@ -359,7 +380,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         self.encode_incoming(torch.zeros(1, 3, size, size, dtype=torch.uint8, device=self.device))
 
     def _update_stream_head(self, frozen: torch.Tensor | None, labels: torch.Tensor,
-                            keys: torch.Tensor | None = None) -> None:
+                            keys: torch.Tensor | None = None, stored: torch.Tensor | None = None) -> None:
         """Every sample the learner sees, trained on or passed through, reaches the streaming head (but those the
         suspect rule keeps out, whose keys it remembers: a correction puts them in)."""
         if self.stream_head is None:
@@ -369,13 +390,17 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             self.suspects_kept_out += int((~keep).sum())
             if keys is not None:
                 self.kept_out.update(keys[~keep.cpu()].tolist())
-            frozen, labels = frozen[keep], labels[keep]
+            frozen, labels, stored = frozen[keep], labels[keep], None if stored is None else stored[keep]
             keys = keys[keep.cpu()] if keys is not None else None
             if not labels.numel():
                 return
         self.stream_head.update(frozen, labels)
+        channels = None
+        if self.channel_sums is not None:
+            channels = self.backbone.channel_means(stored)
+            self.channel_sums.update(channels, labels)
         if self.recent_features is not None:
-            self.recent_features.keep(frozen, labels, keys)
+            self.recent_features.keep(frozen, labels, keys, channels)
 
     def _keep_for_sleep(self, stored: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         if self.sleeper is not None:
@@ -417,7 +442,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         pixels = images.to(self.device)
         (images, frozen), labels = self.encode_incoming(pixels), labels.to(self.device, torch.long)
         self.ensure_classes(int(labels.max()) + 1)
-        self._update_stream_head(frozen, labels, keys)
+        self._update_stream_head(frozen, labels, keys, images)
         self._keep_for_sleep(images, labels, keys)
         step = batch_size or labels.numel()
         for i in range(0, labels.numel(), step):
@@ -613,6 +638,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             **({"head_choice": self.head_choice.state_dict()} if self.head_choice is not None else {}),
             **({"held_back": self._own_held.state_dict()} if self._own_held is not None else {}),
             **({"recent_features": self.recent_features.state_dict()} if self.recent_features is not None else {}),
+            **({"channel_sums": self.channel_sums.state_dict()} if self.channel_sums is not None else {}),
             **({"sleeper": self.sleeper.state_dict()} if self.sleeper is not None else {}),
             # plain SGD keeps no state; Adam's moments go on where the learner resumes
             **({"optimizer": {"kind": self.optimizer_name, "state": self.optimizer.state_dict()}}
@@ -653,6 +679,8 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             self.held_back.load_state_dict(held)
         if self.recent_features is not None:  # a state from before them: none kept yet
             self.recent_features.load_state_dict(state.get("recent_features", {}))
+        if self.channel_sums is not None and "channel_sums" in state:  # before them: the classes that come again
+            self.channel_sums.load_state_dict(state["channel_sums"])  # have them (`_channel_parts`)
         self._calibration = None
         if self.sleeper is not None and "sleeper" in state:
             self.sleeper.load_state_dict(state["sleeper"])

@@ -39,6 +39,8 @@ class HeadClasses:
             self._own_held.forget(class_id)
         if self.recent_features is not None:
             self.recent_features.forget(class_id)
+        if self.channel_sums is not None:
+            self.channel_sums.forget(class_id)
         if self.sleeper is not None:
             self.sleeper.forget(class_id)
         self.version += 1

@@ -81,12 +81,17 @@ class SampleCorrections:
             return Correction(held_back=True)
         if self.stream_head is not None:
             features = self.frozen_features(stored.to(self.device)).float()
+            channels = self.backbone.channel_means(stored) if self.channel_sums is not None else None
             if key in self.kept_out:  # the suspect rule kept it out: relabelled, it comes in
                 self.kept_out.discard(key)
             else:
                 self.stream_head.remove(features, torch.tensor([old_class]))
+                if channels is not None:
+                    self.channel_sums.remove(channels, torch.tensor([old_class]))
             if new_class is not None:
                 self.stream_head.update(features, torch.tensor([new_class]))
+                if channels is not None:
+                    self.channel_sums.update(channels, torch.tensor([new_class]))
             if self.recent_features is not None:  # kept under the class it left
                 self.recent_features.drop(key)
             self._solved = None
@@ -108,6 +113,8 @@ class SampleCorrections:
         self.kept_out.discard(key)
         if self.stream_head is not None:
             self.stream_head.update(self.frozen_features(stored.to(self.device)).float(), torch.tensor([label]))
+            if self.channel_sums is not None:
+                self.channel_sums.update(self.backbone.channel_means(stored), torch.tensor([label]))
             self._solved = None
         self.version += 1
         return Correction(in_memory=slot is not None, stream_head=self.stream_head is not None)

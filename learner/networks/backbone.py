@@ -83,6 +83,11 @@ class ScratchBackbone:
     def release_buffers(self) -> None:
         """Nothing to give back: the pixels are the stored form, no runtime keeps buffers between runs."""
 
+    channels = None  # the stored form is pixels: no latent's channels for "none of these" to read
+
+    def channel_means(self, stored: torch.Tensor) -> None:
+        return None
+
     def identity(self) -> dict:
         return {"backbone": self.name}
 
@@ -253,15 +258,27 @@ class PretrainedBackbone:
         top = copy.deepcopy(net).eval().requires_grad_(False)
         return TopGraph(top, self.frozen.latent_shape(self.cut)) if runtime else top.features
 
-    def pixel_module(self, net: nn.Module | None, frozen_too: bool = False) -> nn.Module:
+    def pixel_module(self, net: nn.Module | None, frozen_too: bool = False, channels_too: bool = False) -> nn.Module:
         """uint8 pixels -> the features `net` (a top) reads from the stored latents, or with no
         `net` the frozen network's own pooled features (what the streaming heads read), as one module;
-        `frozen_too`: both, (the top's, the frozen network's), from one pass of the frozen part."""
-        return LatentPixelFeatures(self.frozen, self.cut, self.latent_bits, net, frozen_too)
+        `frozen_too`: both, (the top's, the frozen network's), from one pass of the frozen part; `channels_too`:
+        the stored latent's `channel_means` after them."""
+        return LatentPixelFeatures(self.frozen, self.cut, self.latent_bits, net, frozen_too, channels_too)
 
     def release_buffers(self) -> None:
         """What the frozen part's runtime keeps between runs, back to the system (`FrozenGraphs.release_buffers`)."""
         self.graphs.release_buffers()
+
+    @property
+    def channels(self) -> int | None:
+        """The stored latent's channels where it is a map (below the pooled cut; at the default cut 11, block 11's
+        112 input channels): "none of these" reads their means beside the frozen features
+        (`learner.heads.calibration`); None at the pooled cut."""
+        return self.stored_shape[0] if len(self.stored_shape) == 3 else None
+
+    def channel_means(self, stored: torch.Tensor) -> torch.Tensor | None:
+        """The stored latents' means over their positions [n, channels] (None at the pooled cut)."""
+        return None if self.channels is None else dequantise(stored, self.latent_bits).mean((2, 3))
 
     @torch.no_grad()
     def frozen_features(self, stored: torch.Tensor) -> torch.Tensor:
@@ -293,15 +310,21 @@ class LatentPixelFeatures(nn.Module):
     """uint8 pixels -> the frozen part -> the latent as stored (its rounding too) -> the top's
     features (or the frozen network's): the path a stored sample takes, from pixels."""
 
-    def __init__(self, frozen, cut: int, latent_bits: int, top: nn.Module | None, frozen_too: bool = False):
+    def __init__(self, frozen, cut: int, latent_bits: int, top: nn.Module | None, frozen_too: bool = False,
+                 channels_too: bool = False):
         super().__init__()
         self.frozen, self.cut, self.latent_bits, self.top, self.frozen_too = frozen, cut, latent_bits, top, frozen_too
+        self.channels_too = channels_too
 
     def forward(self, pixels: torch.Tensor):
         x = dequantise(quantise(self.frozen.lower(pixels, self.cut), self.latent_bits), self.latent_bits)
         if self.top is None:
-            return self.frozen.upper(x, self.cut)
-        return (self.top.features(x), self.frozen.upper(x, self.cut)) if self.frozen_too else self.top.features(x)
+            out = self.frozen.upper(x, self.cut)
+        else:
+            out = (self.top.features(x), self.frozen.upper(x, self.cut)) if self.frozen_too else self.top.features(x)
+        if not self.channels_too:
+            return out
+        return (*(out if isinstance(out, tuple) else (out,)), x.mean((2, 3)))
 
 
 def make_backbone(name: str, image_shape: tuple[int, int, int] = (3, 32, 32), input_size: int = 128,

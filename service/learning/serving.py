@@ -54,6 +54,7 @@ class Predictor:
     pool: tuple = UNFITTED_POOL  # the pooled candidate's (weight a class, temperature): `HeadChoice.pool_of`
     # the temperature and "none of these" fitted on the held-back samples (`ContinualLearner.calibration`), or None
     calibration: Calibration | None = None
+    channel_means: object = None  # stored form -> its channel means (`PretrainedBackbone.channel_means`)
 
     @classmethod
     def from_learner(cls, learner: ContinualLearner, classes: list[str], trained_upto: int,
@@ -75,7 +76,8 @@ class Predictor:
                    choice=None if chosen is None else chosen[2][:n].clone(),
                    choice_summary=None if chosen is None else learner.head_choice.summary(),
                    pool=(pool[0][:n].clone(), pool[1]) if chosen is not None else pool,
-                   calibration=None if ncm is not None else learner.calibration(solve))
+                   calibration=None if ncm is not None else learner.calibration(solve),
+                   channel_means=learner.backbone.channel_means)
 
     @property
     def head_name(self) -> str:
@@ -120,7 +122,8 @@ class Predictor:
                 probabilities = torch.softmax(logits, 1)
                 return probabilities.cpu(), torch.full((len(logits),), float("nan"))
             probabilities = self.calibration.probabilities(logits, stream=stream)
-            return probabilities.cpu(), self.calibration.unknown_score(probabilities, frozen).cpu()
+            channels = None if self.calibration.parts is None else self.channel_means(stored)
+            return probabilities.cpu(), self.calibration.unknown_score(probabilities, frozen, channels).cpu()
 
     def _head_logits(self, stored: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
         features = self.features(stored, frozen).float()

@@ -81,35 +81,47 @@ class PixelsToLogits(nn.Module):
             weights = torch.as_tensor(pool[0], dtype=torch.float32).broadcast_to((len(choice),))
             self.register_buffer("pool_weight", weights[rows].clone())  # `HeadChoice.pool_of`
             self.pool_temperature = float(pool[1])
+        # ... and the stored latent's channel means where the learner's does (`Calibration.channel_distance`)
+        self.reads_channels = calibrated is not None and calibrated.parts is not None
+        channels = {"channels_too": True} if self.reads_channels else {}
         # a choice that reads no top's answer (before a sleep) leaves the top out of the graph: the same answers
         self.reads_top = not self.chooses or reads_top(self.choice, self.pool_weight)
         if not self.reads_top:
-            self.features = backbone.pixel_module(None)
+            self.features = backbone.pixel_module(None, **channels)
         elif self.chooses or self.reads_frozen:
-            self.features = backbone.pixel_module(net, frozen_too=True)
+            self.features = backbone.pixel_module(net, frozen_too=True, **channels)
         else:
-            self.features = backbone.pixel_module(None if frozen_features else net)
+            self.features = backbone.pixel_module(None if frozen_features else net, **channels)
         self.normalize = normalize
         self.frozen_features = frozen_features
         self.eval()
 
     def forward(self, pixels: torch.Tensor):
-        logits, frozen, stream = self._logits(pixels)
+        outputs, channels = self._features(pixels)
+        logits, frozen, stream = self._logits(outputs)
         if self.calibrated is None:
             return logits
         probabilities = self.calibrated.probabilities(logits, self.live, stream, self.blind)
-        return probabilities.log(), self.calibrated.unknown_score(probabilities, frozen)
+        return probabilities.log(), self.calibrated.unknown_score(probabilities, frozen, channels)
 
-    def _logits(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _features(self, pixels: torch.Tensor):
+        """What `features` computes of the pixels, and apart from it the stored latent's channel means (or None)."""
+        outputs = self.features(pixels)
+        if not self.reads_channels:
+            return outputs, None
+        *rest, channels = outputs
+        return (rest[0] if len(rest) == 1 else tuple(rest)), channels
+
+    def _logits(self, outputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The served logits before calibration, the frozen features where they were computed, and under a choice
-        streaming LDA's logits (the logarithms of its probabilities)."""
+        streaming LDA's logits (the logarithms of its probabilities), from `_features`' outputs."""
         if self.chooses:
-            top, frozen = self.features(pixels) if self.reads_top else (None, self.features(pixels))
+            top, frozen = outputs if self.reads_top else (None, outputs)
             streaming = torch.softmax(self.stream_head(frozen), 1)
             trained = torch.softmax(self.head(top), 1) if self.reads_top else None
             served = serve(streaming, trained, self.choice, (self.pool_weight, self.pool_temperature))
             return served.clamp_min(1e-30).log(), frozen, streaming.clamp_min(1e-30).log()
-        features, frozen = self.features(pixels) if self.reads_frozen else (self.features(pixels), None)
+        features, frozen = outputs if self.reads_frozen else (outputs, None)
         frozen = features if self.frozen_features else frozen
         return self.head(nn.functional.normalize(features, dim=1) if self.normalize else features), frozen, None
 

@@ -6,7 +6,9 @@ others task by task, and at the end scores the test photos of the learned classe
 same kind of photo) and of a far set (another dataset: satellite tiles against photos). Written: the AUROC of the
 score (the distance to the nearest class mean) and of other rules (the lack of confidence, their sum, their larger),
 the false-alarm rate at the threshold the held-back samples chose (against the one set) and the share of unknowns it
-catches, beside the accuracy and the calibration on the learned classes.
+catches, beside the accuracy and the calibration on the learned classes. At a cut below the pooled one (the
+service's default, 11) the served score adds the stored latent's channel means' distance; the rule `distance` is
+the frozen features' alone (the score served before, the same AUROC).
 
     python -m clients.bench.stream.unknowns --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
         --far-dataset mini-imagenet --far-data ../shared/datasets/mini-imagenet-slice.zip --seed 0 \\
@@ -31,7 +33,8 @@ from learner import make_learner
 from learner.data import ImageDataset, load_dataset, task_batches
 from learner.metrics import auroc, brier_score, expected_calibration_error
 from learner.networks.backbone import make_backbone
-from learner.networks.lite0 import POOLED
+
+DEFAULT_CUT = 11  # the service's under its default sleep: the stored latent is block 11's input
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--far-data", required=True)
     p.add_argument("--far-images", type=int, default=3000, help="far test photos scored at most")
     p.add_argument("--input-size", type=int, default=160)
+    p.add_argument("--cut", type=int, default=DEFAULT_CUT,
+                   help="the stored latent's cut: below the pooled one, the score reads its channel means too")
     p.add_argument("--false-alarm", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     data = load_dataset(args.dataset, args.data, cache_dir=args.cache_dir)
     far = load_dataset(args.far_dataset, args.far_data, cache_dir=args.cache_dir)
-    backbone = make_backbone("lite0", data.image_shape, args.input_size, POOLED)
+    backbone = make_backbone("lite0", data.image_shape, args.input_size, args.cut)
     data, far = encoded_dataset(data, backbone, args.cache_dir), encoded_dataset(far, backbone, args.cache_dir)
     held_out = args.seed % data.num_classes
     learner = make_learner("slda", data.num_classes, backbone=backbone, seed=args.seed, calibrate=True,
@@ -121,7 +126,7 @@ def main(argv=None) -> int:
     train_cpu = time.process_time() - start
     known = data.test_y != held_out
     result = {"dataset": args.dataset, "far_dataset": args.far_dataset, "seed": args.seed,
-              "held_out_class": data.class_names[held_out], "input_size": args.input_size,
+              "held_out_class": data.class_names[held_out], "input_size": args.input_size, "cut": args.cut,
               **figures(learner, data.test_x[known], data.test_y[known], data.test_x[~known],
                         far.test_x[:args.far_images]),
               "train_cpu_seconds": round(train_cpu, 1), "machine": machine_description(torch.device("cpu")),
