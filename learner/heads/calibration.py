@@ -108,12 +108,16 @@ def unit_means(sums: torch.Tensor, counts: torch.Tensor, num_classes: int) -> to
     return means
 
 
-def nearest_distance(x: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-    """1 - the cosine similarity of rows to the nearest of `unit_means`' rows, a class without samples (a zero row)
-    never the nearest: the channel means, unlike the frozen features, take either sign."""
-    cosine = F.normalize(x.float(), dim=1) @ means.T
+def seen_cosine(x: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """The cosine similarity of rows to each of `unit_means`' rows, a class without samples (a zero row) put below
+    any cosine, so never the nearest: the channel means, unlike the frozen features, take either sign."""
     unseen = (means.abs().sum(1) == 0).float()
-    return 1 - (cosine - 3 * unseen).max(1).values
+    return F.normalize(x.float(), dim=1) @ means.T - 3 * unseen
+
+
+def nearest_distance(x: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """1 - the cosine similarity of rows to the nearest seen class's mean (`seen_cosine`)."""
+    return 1 - seen_cosine(x, means).max(1).values
 
 
 @dataclass(frozen=True, eq=False)

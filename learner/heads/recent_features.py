@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from .calibration import seen_cosine
+
 TOTAL = 1000  # samples kept over all classes: 2.8 MB of 1,280 features and 112 channel means in fp16
 MIN_PER_CLASS = 10  # where many classes share them
 
@@ -136,7 +138,7 @@ class RecentFeatures:
                          means: torch.Tensor) -> torch.Tensor:
         x = x.float()
         unit = F.normalize(x, dim=1)
-        cosine = unit @ means.T - 3 * (means.abs().sum(1) == 0).float()  # a class without samples is never nearest
+        cosine = seen_cosine(x, means)
         rest = float(counts[c]) - 1
         own = F.normalize(((sums[c] - x.double()) / rest).float(), dim=1) if rest > 0 else torch.zeros_like(x)
         cosine[:, c] = (unit * own).sum(1)
