@@ -187,8 +187,9 @@ class Calibration:
                 + CHANNEL_WEIGHT * (self.channel_distance(channels) - channel_center) / channel_scale)
 
     def distance(self, frozen: torch.Tensor) -> torch.Tensor:
-        """1 - the cosine similarity of frozen features to the nearest class mean."""
-        return 1 - (F.normalize(frozen.float(), dim=1) @ self.means.T.to(frozen.device)).max(1).values
+        """1 - the cosine similarity of frozen features to the nearest class mean (`nearest_distance`, as the latest
+        samples' out-of-sample distances are taken)."""
+        return nearest_distance(frozen, self.means.to(frozen.device))
 
     def channel_distance(self, channels: torch.Tensor) -> torch.Tensor:
         """1 - the cosine similarity of the stored latent's channel means to the nearest class's. A photo of another
