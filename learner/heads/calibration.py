@@ -166,15 +166,15 @@ class Calibration:
     def _floored(self, logits: torch.Tensor, temperature: float, live: torch.Tensor) -> torch.Tensor:
         return (1 - self.floor) * torch.softmax(logits / temperature, 1) + self.floor * live / live.sum()
 
-    def unknown_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None,
+    def unknown_score(self, probabilities: torch.Tensor | None, frozen: torch.Tensor | None = None,
                       channels: torch.Tensor | None = None) -> torch.Tensor:
         """How unlike every learned class each image is, in standard deviations of known classes' scores out of
         sample from their mean (`fit`): the distance of its frozen features to the nearest class mean (and of its
         stored latent's `channels`, where fitted with them), or without them its calibrated probabilities' lack of
-        confidence."""
+        confidence (`probabilities` may be None where the frozen features are read)."""
         return (self.raw_score(probabilities, frozen, channels) - self.center) / self.scale
 
-    def raw_score(self, probabilities: torch.Tensor, frozen: torch.Tensor | None = None,
+    def raw_score(self, probabilities: torch.Tensor | None, frozen: torch.Tensor | None = None,
                   channels: torch.Tensor | None = None) -> torch.Tensor:
         if self.means is None or frozen is None:
             return 1 - probabilities.max(1).values

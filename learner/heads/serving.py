@@ -128,20 +128,16 @@ class Serving:
 
     def unknown_scores(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
         """"None of these" scores of images (`learner.heads.calibration.Calibration.unknown_score`); with
-        `calibrate` only."""
+        `calibrate` only. The distance score reads no answer: one encoding a batch, no head."""
         calibration = self.calibration()
-        probabilities = torch.softmax(self.logits(images, batch_size), 1).cpu()
-        frozen = channels = None
-        if self.stream_head is not None:
-            frozen = self._eval_map(lambda x: x, images, batch_size, self.frozen_features).cpu()
-        if calibration.parts is not None:
-            channels = self._eval_map(lambda x: x, images, batch_size, self.channel_means).cpu()
-        return calibration.unknown_score(probabilities, frozen, channels)
+        if calibration.means is None or self.stream_head is None:
+            return calibration.unknown_score(torch.softmax(self.logits(images, batch_size), 1).cpu())
 
-    def channel_means(self, images: torch.Tensor) -> torch.Tensor:
-        """The stored latents' channel means of images (or stored latents): what "none of these" reads beside the
-        frozen features."""
-        return self.backbone.channel_means(self.backbone.encode(images))
+        def scores(batch: torch.Tensor) -> torch.Tensor:
+            stored, frozen = self.backbone.encode_with_features(batch)
+            channels = None if calibration.parts is None else self.backbone.channel_means(stored).cpu().float()
+            return calibration.unknown_score(None, frozen.cpu().float(), channels)
+        return self._eval_map(lambda x: x, images, batch_size, scores)
 
     def calibrated(self, candidates: dict[str, torch.Tensor]) -> torch.Tensor:
         """The served probabilities of `candidate_probabilities`, calibrated (`calibration`: streaming LDA's answer
