@@ -10,7 +10,7 @@ import zipfile
 from clients.bench.live import client_stream
 from clients.bench.live.local_service import file_number, real_jpegs, split_of
 
-from .conftest import EUROSAT_ZIP
+from .conftest import EUROSAT_ZIP, MINI_ZIP
 
 
 def test_eurosat_photos_split_by_the_readme_rule_in_the_order_of_their_number():
@@ -40,6 +40,25 @@ def test_a_paced_split_stream_through_the_service_is_learned_and_the_snapshot_an
     assert parity["compared"] == 50 and parity["same_top1"] == 50 and parity["max_probability_gap"] < 1e-3
     assert run["serving_head"] == parity["snapshot_head"] == "slda"
     assert result["command"].startswith("python -m clients.bench.live.client_stream")
+
+
+def test_none_of_these_through_the_service_a_held_out_class_and_another_world(tmp_path):
+    """Class `seed` is never sent; at the end /predict's score tells its photos (near) and Mini-ImageNet's (far) from
+    the learned tiles, and the snapshot scores as /predict does."""
+    out = tmp_path / "stream.json"
+    assert client_stream.main(["--data", str(EUROSAT_ZIP), "--train-per-class", "40", "--test-per-class", "10",
+                               "--seeds", "1", "--hold-out", "--far-data", str(MINI_ZIP), "--far-photos", "40",
+                               "--env", "ASER_SLEEP_IDLE_S=1", "--env", "ASER_SLEEP_EPOCHS=1",
+                               "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]  # 40 a class: 27 held back, a threshold (20 or more)
+    assert run["held_out_class"] == "Forest" and run["samples_sent"] == 9 * 40  # nine classes: the last task one
+    assert [list(task) for task in run["tasks"]] == [["10", "end"]] * 5
+    unknowns = run["none_of_these"]
+    assert unknowns["photos"] == {"known": 90, "near": 10, "far": 40}
+    assert unknowns["auroc"]["far"] > 0.9 and 0 <= unknowns["auroc"]["near"] <= 1  # photos of another world
+    assert unknowns["caught"]["far"] > unknowns["false_alarm_rate"]
+    parity = run["onnx_parity"]
+    assert parity["unknown_scores_compared"] == 90 and parity["max_unknown_score_gap"] < 1e-3
 
 
 def test_a_sleeping_service_is_measured_after_its_idle_sleep_and_after_its_nights(tmp_path):

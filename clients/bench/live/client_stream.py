@@ -13,11 +13,19 @@ stream has ended it waits for the service's sleep over what is new before the fi
 `--fresh-sleep` its user then asks for a fresh sleep (`POST /sleep?fresh=true`: the top trained again from ImageNet's
 weights over everything held) and measures once more (`after_fresh`); where `--env ASER_SLEEP_FRESH_IDLE_S` is set it
 asks for nothing and waits for the service's own night sleep (longer than `--quiet-s`, or the quiet gaps hold one).
+"None of these" through the service: with `--hold-out` class `seed` of the set is never sent (a different one each
+seed), and with `--far-data` another set's test photos are asked too; at the last measure /predict's `unknown_score`
+of the learned classes' test photos against the held-out class's (near) and the far set's gives each AUROC, and its
+`unknown` the false-alarm rate and the share caught (`clients.bench.stream.unknowns` measures the same in process);
+the ONNX snapshot's scores are compared with /predict's beside its probabilities.
 
     python -m clients.bench.live.client_stream --data ../shared/datasets/eurosat-rgb.zip --seeds 0-2 \\
         --out results/client-stream/eurosat-default.json
     python -m clients.bench.live.client_stream --data ../shared/datasets/cifar10-jpeg.zip --train-per-class 1000 \\
         --out results/client-stream/cifar10-default.json
+    python -m clients.bench.live.client_stream --data ../shared/datasets/eurosat-rgb.zip --train-per-class 150 \\
+        --hold-out --far-data ../shared/datasets/mini-imagenet-slice.zip --seeds 0-4 \\
+        --out results/client-stream/eurosat-150a-class-unknowns.json
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,23 +52,18 @@ from clients.bench.stream.protocol import ANYTIME_POINTS
 from clients.bench.stream.sweep import seeds as parse_seeds
 from clients.bench.stream.via_service import paced
 from clients.onnx_client import OnnxClassifier
+from learner.metrics import auroc
 
 CLASSES_A_TASK = 2
 LARGE = 10**9  # every photo a class has
 PACED_BATCH = 10  # photos a paced device sends at once: the service's batch
+FAR_PHOTOS = 300  # the far set's test photos asked
 
 
 def class_names(data: Path) -> list[str]:
     """Both shared sets' class order is the alphabetical order of their class folders."""
     with zipfile.ZipFile(data) as z:
         return sorted({x.split("/")[-2] for x in z.namelist() if x.endswith(".jpg")})
-
-
-def accuracy(client: ServiceClient, test: list[tuple[str, bytes]]) -> tuple[float, list[dict]]:
-    """Top-1 accuracy of /predict on (label, photo) pairs, and the answers."""
-    answers = [r[0] for i in range(0, len(test), 64) for r in client.predict([p for _, p in test[i:i + 64]], k=1)["results"]]
-    right = sum(answer["label"] == label for (label, _), answer in zip(test, answers, strict=True))
-    return round(100 * right / len(test), 2), answers
 
 
 def measured(client: ServiceClient, test: list[tuple[str, bytes]]) -> dict:
@@ -81,7 +85,8 @@ def measured(client: ServiceClient, test: list[tuple[str, bytes]]) -> dict:
 
 def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], tries: int = 5) -> dict:
     """Export a snapshot and compare it with /predict of the same model version (an idle refit of
-    the served corrections may move the version between the two: then export again)."""
+    the served corrections may move the version between the two: then export again): the top-1 label, its
+    probability and the "none of these" score."""
     for _ in range(tries):
         snapshot = client.create_snapshot()
         answer = client.predict([test[0][1]], k=1)
@@ -91,13 +96,48 @@ def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], 
     else:
         return {"compared": 0, "why": "the model version kept moving"}
     onnx = OnnxClassifier.from_service(url, str(snapshot["id"]))
-    _, served = accuracy(client, test)
-    exported = [r[0] for i in range(0, len(test), 64) for r in onnx.predict([io.BytesIO(p) for _, p in test[i:i + 64]], k=1)]
-    same = sum(a["label"] == b["label"] for a, b in zip(served, exported, strict=True))
-    gap = max(abs(a["probability"] - b["probability"]) for a, b in zip(served, exported, strict=True))
+    served, exported = [], []
+    for i in range(0, len(test), 64):
+        photos = [p for _, p in test[i:i + 64]]
+        answer = client.predict(photos, k=1)
+        served += [{"top": r[0], "unknown_score": s} for r, s in zip(answer["results"], answer["unknown_score"])]
+        exported += [{"top": a["top"][0], "unknown_score": a["unknown_score"]}
+                     for a in onnx.answer([io.BytesIO(p) for p in photos], k=1)]
+    same = sum(a["top"]["label"] == b["top"]["label"] for a, b in zip(served, exported, strict=True))
+    gap = max(abs(a["top"]["probability"] - b["top"]["probability"]) for a, b in zip(served, exported, strict=True))
+    scored = [(a["unknown_score"], b["unknown_score"]) for a, b in zip(served, exported)
+              if a["unknown_score"] is not None and b["unknown_score"] is not None]
     return {"compared": len(test), "same_top1": same, "max_probability_gap": round(gap, 6),
+            "unknown_scores_compared": len(scored),
+            "max_unknown_score_gap": round(max((abs(a - b) for a, b in scored), default=0.0), 6),
             "snapshot_id": snapshot["id"], "model_version": snapshot["model_version"],
             "snapshot_head": onnx.metadata.get("head", "")}
+
+
+def unknown_scores(client: ServiceClient, photos: list[bytes]) -> tuple[list[float | None], list[bool]]:
+    """/predict's "none of these" score of each photo (None where the service has none yet), and its `unknown`."""
+    scores, unknown = [], []
+    for i in range(0, len(photos), 64):
+        answer = client.predict(photos[i:i + 64], k=1)
+        scores += answer["unknown_score"]
+        unknown += answer["unknown"]
+    return scores, unknown
+
+
+def none_of_these(client: ServiceClient, known: list[bytes], strangers: dict[str, list[bytes]]) -> dict:
+    """How /predict's "none of these" tells each set of `strangers` (near: a held-out class; far: another set) from
+    the learned classes' `known` photos: the AUROC of its score, the share of each it calls unknown (of the known
+    ones: the false-alarm rate), the photos asked."""
+    known_scores, known_unknown = unknown_scores(client, known)
+    out = {"false_alarm_rate": round(sum(known_unknown) / len(known), 4), "auroc": {}, "caught": {},
+           "photos": {"known": len(known)}}
+    for name, photos in strangers.items():
+        scores, unknown = unknown_scores(client, photos)
+        if None not in known_scores and None not in scores:
+            out["auroc"][name] = round(auroc(torch.tensor(known_scores), torch.tensor(scores)), 4)
+        out["caught"][name] = round(sum(unknown) / len(photos), 4)
+        out["photos"][name] = len(photos)
+    return out
 
 
 class Quiet:
@@ -171,9 +211,9 @@ def fresh_slept(client: ServiceClient, ask: bool = True, timeout: float = 3600) 
 def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[tuple[str, bytes]],
               per_class: int, rate: float | None = None, quiet: Quiet | None = None) -> dict:
     """Send one task's photos; measure at each anytime point it reaches and at its end."""
-    points, sent = {}, 0
+    points, sent, classes = {}, 0, len({label for label, _ in train})
     for point in (*ANYTIME_POINTS, LARGE):
-        upto = min(len(train), CLASSES_A_TASK * min(point, per_class))
+        upto = min(len(train), classes * min(point, per_class))
         if upto <= sent:
             continue
         send(client, train[sent:upto], rate, quiet)
@@ -181,16 +221,34 @@ def send_task(client: ServiceClient, train: list[tuple[str, bytes]], test: list[
         status = client.drain()
         found = {**measured(client, test), "serving_head": status["serving_head"],
                  "samples_trained": status["samples_trained"]}
-        if point in ANYTIME_POINTS and sent == CLASSES_A_TASK * point:
+        if point in ANYTIME_POINTS and sent == classes * point:
             points[str(point)] = found
         if sent == len(train):
             points["end"] = found
     return points
 
 
+@dataclass(frozen=True)
+class Strangers:
+    """What "none of these" is measured on: a held-out class of the set (class `seed`), another set's test photos."""
+    hold_out: bool = False
+    far: Path | None = None
+    far_photos: int = FAR_PHOTOS
+
+    def held_out(self, names: list[str], seed: int) -> str | None:
+        return names[seed % len(names)] if self.hold_out else None
+
+    def photos(self, data: Path, held_out: str | None, per_class: int) -> dict[str, list[bytes]]:
+        near = {"near": [p for _, p in real_jpegs(data, per_class, split="test", classes=[held_out])]} \
+            if held_out else {}
+        return {**near, **({"far": [p for _, p in real_jpegs(self.far, self.far_photos, split="test")]}
+                           if self.far else {})}
+
+
 def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int, rate: float | None = None,
-             quiet: Quiet | None = None, fresh: bool = False) -> dict:
-    names = class_names(data)
+             quiet: Quiet | None = None, fresh: bool = False, strangers: Strangers = Strangers()) -> dict:
+    held_out = strangers.held_out(class_names(data), seed)
+    names = [name for name in class_names(data) if name != held_out]
     tasks = [names[i:i + CLASSES_A_TASK] for i in range(0, len(names), CLASSES_A_TASK)]
     with tempfile.TemporaryDirectory() as tmp:
         service = LocalService(Path(tmp) / "data", {**env, "ASER_SEED": str(seed)}).start()
@@ -199,7 +257,7 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                 started, along, sent = time.monotonic(), [], 0
                 for t, classes in enumerate(tasks):
                     seen = [c for task in tasks[:t + 1] for c in task]
-                    train = real_jpegs(data, CLASSES_A_TASK * per_class, classes=classes)
+                    train = real_jpegs(data, len(classes) * per_class, classes=classes)
                     test = real_jpegs(data, len(seen) * test_per_class, split="test", classes=seen)
                     along.append(send_task(client, train, test, per_class, rate, quiet))
                     sent += len(train)
@@ -216,6 +274,8 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
                     sleep = fresh_slept(client, ask=not float(env.get("ASER_SLEEP_FRESH_IDLE_S", 0)))
                     status = client.drain()
                     after_fresh = {**measured(client, test), "sleep": sleep}
+                unknowns = none_of_these(client, [p for _, p in test], asked) \
+                    if (asked := strangers.photos(data, held_out, test_per_class)) else None
                 parity = onnx_parity(client, service.url, test)
         finally:
             service.stop()
@@ -228,6 +288,8 @@ def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: i
             "calibration_config": status.get("calibration"),
             **({"after_idle": after_idle} if after_idle else {}),
             **({"after_fresh": after_fresh} if after_fresh else {}),
+            **({"held_out_class": held_out} if held_out else {}),
+            **({"none_of_these": unknowns} if unknowns else {}),
             "anytime": {n: round(sum(v) / len(v), 2) for n, v in anytime.items() if v},
             "tasks": along, "serving_head": status["serving_head"], "head_choice": status["head_choice"],
             "samples_sent": sent,
@@ -251,11 +313,17 @@ def main(argv=None) -> int:
     parser.add_argument("--fresh-sleep", action="store_true",
                         help="with ASER_SLEEP: after the idle sleep, a fresh one asked for (or with "
                         "ASER_SLEEP_FRESH_IDLE_S, the night's, waited for), and a measure after it")
+    parser.add_argument("--hold-out", action="store_true",
+                        help="never send class `seed` of the set; ask its test photos as unknowns (near) at the end")
+    parser.add_argument("--far-data", help="another set's zip: its test photos asked as unknowns (far) at the end")
+    parser.add_argument("--far-photos", type=int, default=FAR_PHOTOS, help="the far set's photos asked")
     parser.add_argument("--out", help="write the result here (JSON)")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
+    strangers = Strangers(args.hold_out, Path(args.far_data) if args.far_data else None, args.far_photos)
     runs = [run_seed(Path(args.data), env, seed, args.train_per_class, args.test_per_class, args.rate,
-                     Quiet(args.quiet_every, args.quiet_s), args.fresh_sleep) for seed in parse_seeds(args.seeds)]
+                     Quiet(args.quiet_every, args.quiet_s), args.fresh_sleep, strangers)
+            for seed in parse_seeds(args.seeds)]
     mean = {"final_accuracy": round(sum(r["final_accuracy"] for r in runs) / len(runs), 2),
             "anytime": {n: round(sum(r["anytime"][n] for r in runs) / len(runs), 2) for n in runs[0]["anytime"]},
             **({"after_fresh": round(sum(r["after_fresh"]["accuracy"] for r in runs) / len(runs), 2)}
