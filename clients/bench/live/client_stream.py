@@ -66,21 +66,29 @@ def class_names(data: Path) -> list[str]:
         return sorted({x.split("/")[-2] for x in z.namelist() if x.endswith(".jpg")})
 
 
+def predicted(client: ServiceClient, photos: list[bytes], k: int = 1) -> list[dict]:
+    """/predict's answer for each photo, 64 a request: its top-k (`top`), `unknown` and `unknown_score`."""
+    out = []
+    for i in range(0, len(photos), 64):
+        answer = client.predict(photos[i:i + 64], k=k)
+        n = len(answer["results"])
+        out += [{"top": top, "unknown": unknown, "unknown_score": score} for top, unknown, score in
+                zip(answer["results"], answer.get("unknown", [False] * n), answer.get("unknown_score", [None] * n))]
+    return out
+
+
 def measured(client: ServiceClient, test: list[tuple[str, bytes]]) -> dict:
     """/predict on (label, photo) pairs, every class's probability: the top-1 accuracy, how far the probabilities
     mean what they say (`clients.bench.stream.protocol.calibration_figures`) and the share called "none of these"."""
     from clients.bench.stream.protocol import calibration_figures
 
-    labels, rows, unknown = sorted({label for label, _ in test}), [], 0
-    for i in range(0, len(test), 64):
-        answer = client.predict([p for _, p in test[i:i + 64]], k=20)
-        unknown += sum(answer.get("unknown", []))
-        for top in answer["results"]:  # every class the test has seen (k = 20: all of them here)
-            probabilities = {t["label"]: t["probability"] for t in top}
-            rows.append([probabilities.get(label, 0.0) for label in labels])
+    labels = sorted({label for label, _ in test})
+    answers = predicted(client, [p for _, p in test], k=20)  # every class the test has seen (all of them here)
+    rows = [[{t["label"]: t["probability"] for t in a["top"]}.get(label, 0.0) for label in labels] for a in answers]
     p, y = torch.tensor(rows), torch.tensor([labels.index(label) for label, _ in test])
     return {"accuracy": round(100 * float((p.argmax(1) == y).float().mean()), 2),
-            "calibration": calibration_figures(p, y), "unknown_share": round(unknown / len(test), 4)}
+            "calibration": calibration_figures(p, y),
+            "unknown_share": round(sum(a["unknown"] for a in answers) / len(test), 4)}
 
 
 def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], tries: int = 5) -> dict:
@@ -96,15 +104,12 @@ def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], 
     else:
         return {"compared": 0, "why": "the model version kept moving"}
     onnx = OnnxClassifier.from_service(url, str(snapshot["id"]))
-    served, exported = [], []
-    for i in range(0, len(test), 64):
-        photos = [p for _, p in test[i:i + 64]]
-        answer = client.predict(photos, k=1)
-        served += [{"top": r[0], "unknown_score": s} for r, s in zip(answer["results"], answer["unknown_score"])]
-        exported += [{"top": a["top"][0], "unknown_score": a["unknown_score"]}
-                     for a in onnx.answer([io.BytesIO(p) for p in photos], k=1)]
-    same = sum(a["top"]["label"] == b["top"]["label"] for a, b in zip(served, exported, strict=True))
-    gap = max(abs(a["top"]["probability"] - b["top"]["probability"]) for a, b in zip(served, exported, strict=True))
+    served = predicted(client, [p for _, p in test])
+    exported = [a for i in range(0, len(test), 64)
+                for a in onnx.answer([io.BytesIO(p) for _, p in test[i:i + 64]], k=1)]
+    pairs = [(a["top"][0], b["top"][0]) for a, b in zip(served, exported, strict=True)]
+    same = sum(a["label"] == b["label"] for a, b in pairs)
+    gap = max(abs(a["probability"] - b["probability"]) for a, b in pairs)
     scored = [(a["unknown_score"], b["unknown_score"]) for a, b in zip(served, exported)
               if a["unknown_score"] is not None and b["unknown_score"] is not None]
     return {"compared": len(test), "same_top1": same, "max_probability_gap": round(gap, 6),
@@ -114,28 +119,20 @@ def onnx_parity(client: ServiceClient, url: str, test: list[tuple[str, bytes]], 
             "snapshot_head": onnx.metadata.get("head", "")}
 
 
-def unknown_scores(client: ServiceClient, photos: list[bytes]) -> tuple[list[float | None], list[bool]]:
-    """/predict's "none of these" score of each photo (None where the service has none yet), and its `unknown`."""
-    scores, unknown = [], []
-    for i in range(0, len(photos), 64):
-        answer = client.predict(photos[i:i + 64], k=1)
-        scores += answer["unknown_score"]
-        unknown += answer["unknown"]
-    return scores, unknown
-
-
 def none_of_these(client: ServiceClient, known: list[bytes], strangers: dict[str, list[bytes]]) -> dict:
     """How /predict's "none of these" tells each set of `strangers` (near: a held-out class; far: another set) from
     the learned classes' `known` photos: the AUROC of its score, the share of each it calls unknown (of the known
     ones: the false-alarm rate), the photos asked."""
-    known_scores, known_unknown = unknown_scores(client, known)
-    out = {"false_alarm_rate": round(sum(known_unknown) / len(known), 4), "auroc": {}, "caught": {},
-           "photos": {"known": len(known)}}
+    known_answers = predicted(client, known)
+    known_scores = [a["unknown_score"] for a in known_answers]
+    out = {"false_alarm_rate": round(sum(a["unknown"] for a in known_answers) / len(known), 4), "auroc": {},
+           "caught": {}, "photos": {"known": len(known)}}
     for name, photos in strangers.items():
-        scores, unknown = unknown_scores(client, photos)
+        answers = predicted(client, photos)
+        scores = [a["unknown_score"] for a in answers]
         if None not in known_scores and None not in scores:
             out["auroc"][name] = round(auroc(torch.tensor(known_scores), torch.tensor(scores)), 4)
-        out["caught"][name] = round(sum(unknown) / len(photos), 4)
+        out["caught"][name] = round(sum(a["unknown"] for a in answers) / len(photos), 4)
         out["photos"][name] = len(photos)
     return out
 
@@ -247,8 +244,9 @@ class Strangers:
 
 def run_seed(data: Path, env: dict, seed: int, per_class: int, test_per_class: int, rate: float | None = None,
              quiet: Quiet | None = None, fresh: bool = False, strangers: Strangers = Strangers()) -> dict:
-    held_out = strangers.held_out(class_names(data), seed)
-    names = [name for name in class_names(data) if name != held_out]
+    names = class_names(data)
+    held_out = strangers.held_out(names, seed)
+    names = [name for name in names if name != held_out]
     tasks = [names[i:i + CLASSES_A_TASK] for i in range(0, len(names), CLASSES_A_TASK)]
     with tempfile.TemporaryDirectory() as tmp:
         service = LocalService(Path(tmp) / "data", {**env, "ASER_SEED": str(seed)}).start()
