@@ -1,4 +1,7 @@
-"""python -m service: run the learner service with uvicorn on its settings (ASER_* variables)."""
+"""python -m service: run the learner service with uvicorn on its settings (ASER_* variables).
+
+`python -m service recover-log`: copy what can still be read of a damaged ingest log (ASER_DATA_DIR's aser.db) into a
+new one, the damaged file set aside beside it (`service.storage.salvage`)."""
 
 from __future__ import annotations
 
@@ -11,13 +14,16 @@ import uvicorn
 from pydantic import ValidationError
 
 from service.settings import Settings
+from service.storage.errors import DamagedIngestLog
+from service.storage.integrity import check_ingest_log
 from service.web.guard import is_loopback
 from service.web.server import bound_the_heap, quiet_probes, with_header_timeout
 
 
 def usage(what: str) -> str:
     """`--help`: every setting, its default and what it does (environment variables or .env)."""
-    lines = [f"usage: python -m {what}", "", "Settings come from ASER_* environment variables or a .env file:", ""]
+    lines = [f"usage: python -m {what}" + (" [recover-log]" if what == "service" else ""), "",
+             "Settings come from ASER_* environment variables or a .env file:", ""]
     for name, field in Settings.model_fields.items():
         default = "(unset)" if field.default is None else repr(field.default)
         lines.append(f"  ASER_{name.upper():<28} default {default}")
@@ -40,6 +46,9 @@ def startup_settings(check=None) -> Settings:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except DamagedIngestLog as exc:  # the data, not the settings: exit 1
+        print(f"error: {exc.detail}", file=sys.stderr)
+        raise SystemExit(1) from None
     if not is_loopback(settings.host) and not settings.auth_enabled:
         print(f"error: refusing to listen on {settings.host} without an API token: set ASER_WRITE_TOKEN, "
               "ASER_READ_TOKEN or ASER_ADMIN_TOKEN, or bind to 127.0.0.1", file=sys.stderr)
@@ -72,10 +81,18 @@ def serve(make_app, what: str = "service", check=None) -> int:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["recover-log"]:
+        from service.storage.salvage import recover_ingest_log
+
+        return recover_ingest_log(Settings().database_path)
     from service.learning.lineage import check_learner
     from service.web.app import create_app  # here, not above: the replica serves through this module without torch
 
-    return serve(create_app, "service", check_learner)  # what a replica does not need
+    def check(settings: Settings) -> None:  # what a replica does not need
+        check_learner(settings)
+        check_ingest_log(settings.database_path)
+
+    return serve(create_app, "service", check)
 
 
 if __name__ == "__main__":

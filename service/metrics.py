@@ -45,6 +45,8 @@ class Metrics:
                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024), registry=r)
         self.worker_restarts = Counter("aser_worker_restarts", "Restarts of the learner from the last checkpoint "
                                        "after a failed step", registry=r)
+        self.damaged_files = Counter("aser_damaged_files", "Derived files (latent store, checkpoint, snapshot) found "
+                                     "damaged when opened, set aside and rebuilt", ["kind"], registry=r)
         self.checkpoint_failures = Counter("aser_checkpoint_failures", "Checkpoints that could not be written",
                                            registry=r)
         self.backlog = Gauge("aser_backlog_samples", "Acknowledged samples not yet trained on", registry=r)

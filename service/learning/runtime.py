@@ -13,6 +13,7 @@ from service.metrics import Metrics
 from service.settings import Settings
 from service.storage.checkpoints import CheckpointStore
 from service.storage.db import Database
+from service.storage.integrity import Damage, check_ingest_log
 from service.storage.retention import Retention, RetentionPolicy
 from service.storage.store import IngestLog
 
@@ -35,8 +36,10 @@ class Runtime:
 
     @classmethod
     def open(cls, settings: Settings, metrics: Metrics) -> "Runtime":
+        check_ingest_log(settings.database_path)  # damaged: refused, never replaced
         db = Database(settings.database_path)
-        checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints")
+        damage = Damage(on_set_aside=lambda kind: metrics.damaged_files.labels(kind=kind).inc())
+        checkpoints = CheckpointStore(db, settings.data_dir / "checkpoints", damage=damage)
         spec = describe_learner(settings, checkpoints.saved_identity())  # read once: the restore reuses what it read
         store = IngestLog(db, spec.image_shape)
         worker = LearnerWorker(LoopSpec.of(settings), db, store, spec, checkpoints, metrics)

@@ -46,6 +46,7 @@ from service.learning.snapshot_schedule import SnapshotPlan, SnapshotSchedule
 from service.metrics import Metrics
 from service.storage.checkpoints import CheckpointStore, VersionLease
 from service.storage.db import Database
+from service.storage.integrity import sqlite_damage
 from service.storage.latent_store import DiskLatentStore, store_capacity
 from service.storage.snapshots import SnapshotStore
 from service.storage.store import IngestLog, LogEntry, images_from_blobs
@@ -105,16 +106,18 @@ class LearnerWorker:
         self.spec, self.lineage, self.device = spec, spec.lineage, spec.device
         self.checkpoints = checkpoints
         self.checkpoints.identity = self.lineage.identity()
+        self.damage = checkpoints.damage  # the derived files set aside as damaged, with this run's others
         self.image_shape = spec.image_shape
         self.versions = VersionLease(db)
         self.lag = LagBound(loop.max_lag_s, loop.catch_up_memory_share, loop.batch_size,
                             self.lineage.lean_when_behind)
-        self.checkpointing = Checkpointing(self.checkpoints, loop.checkpoint_every_steps, self.metrics)
+        self.checkpointing = Checkpointing(self.checkpoints, loop.checkpoint_every_steps, self.metrics,
+                                           every_s=loop.max_lag_s / 2)  # a kill costs the lag the checkpoint's age
         self.publisher = Publisher(self.versions, self.lineage.head == "ncm", loop.serving_refresh_steps,
                                    loop.ncm_refresh_steps)  # what readers see
         self.snapshots = SnapshotStore(db, loop.data_dir / "snapshots", self.lineage.method,
                                        loop.snapshots.timeout_s, loop.snapshots.keep,
-                                       keep_exporter=self.lineage.backbone == "scratch")
+                                       keep_exporter=self.lineage.backbone == "scratch", damage=self.damage)
         self.history = History(db, loop.history_max_points)
         self.schedule = SnapshotSchedule(self.snapshots, loop.snapshots, store, self.image_shape)
         self.forgetting = ForgetRequests(self)
@@ -126,6 +129,7 @@ class LearnerWorker:
         self._in_step: list[int] = []
         self.last_step_seconds = 0.0
         self.latent_store: DiskLatentStore | None = None  # a sleep's latents, on disk (made at the first load)
+        self._refill_store = False  # its file was damaged: filled again from the ingest log at the first load
         self._sleep_asked = threading.Event()
         self._fresh_asked = False  # the sleep asked for trains the top again from its initial weights
         self._busy_at = time.monotonic()  # when the worker last had samples to train: idle since
@@ -172,8 +176,14 @@ class LearnerWorker:
         learner.warm_up()
         self._attach_latent_store(learner)
         self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
+        refill = learner.sleeper is not None and self.trained_upto and (self._refill_store or self.latent_store.foreign)
         if learner.sleeper is not None and not self.trained_upto:  # a new lineage: nothing stored is its own
             self.latent_store.truncate(0)
+        elif refill:
+            if self.latent_store.foreign and not self._refill_store:  # the file made for a damaged one is new
+                self._replace_latent_store(learner, "written by another lineage than the checkpoint's")
+            self._refill_latent_store(learner)
+        self._refill_store = False
         self.online = OnlineAccuracy.from_state(extra.get("online"), self.loop.online_window,
                                                  self.loop.online_score_top_every)
         forgotten = self.store.forgotten()
@@ -192,6 +202,11 @@ class LearnerWorker:
         self.publisher.restart()
         self.consistent = True
         self.publish()
+        if refill:  # the checkpoint names the new store's token: a restart from it finds the store its own
+            self.checkpoint()
+        if self.snapshots.lost_latest and self.predictor.labels:  # replicas and downloads need an intact one
+            self.schedule.export(learner, self.predictor, "rebuilt")
+        self.snapshots.lost_latest = False
         s = self.loop
         log.info("learner: %s (%s), M=%d, %s, device %s, data in %s, %s", self.lineage.method, learner.name,
                  self.spec.mem_size, self.lineage.describe(), self.device, s.data_dir.resolve(),
@@ -302,10 +317,33 @@ class LearnerWorker:
         if self.latent_store is None:
             backbone = learner.backbone
             shape, eight_bit = backbone.stored_shape, backbone.stored_dtype == torch.uint8
-            self.latent_store = DiskLatentStore(
-                self.loop.data_dir / "latents.db", store_capacity(self.spec.sleep_store_mb, shape, eight_bit),
-                shape, eight_bit, backbone.identity(), self.spec.seed)
+            path = self.loop.data_dir / "latents.db"
+            if reason := sqlite_damage(path):
+                self.damage.set_aside(path, reason, "latent_store", "filled again from the ingest log's retained samples")
+                self._refill_store = True
+            self.latent_store = DiskLatentStore(path, store_capacity(self.spec.sleep_store_mb, shape, eight_bit),
+                                                shape, eight_bit, backbone.identity(), self.spec.seed)
         learner.sleeper.store = self.latent_store
+
+    def _replace_latent_store(self, learner: ContinualLearner, reason: str) -> None:
+        self.latent_store.close()
+        self.damage.set_aside(self.latent_store.db.path, reason, "latent_store",
+                              "filled again from the ingest log's retained samples")
+        self.latent_store = None
+        self._attach_latent_store(learner)
+
+    def _refill_latent_store(self, learner: ContinualLearner, chunk: int = 256) -> None:
+        """The store's file was damaged: every retained sample the restored learner has learned, encoded again (what
+        retention dropped the pixels of is lost to the sleeps)."""
+        t0 = time.perf_counter()
+        self.latent_store.truncate(0)
+        seq, added = 0, 0
+        while entries := [e for e in self.store.after(seq, chunk) if e.seq <= self.trained_upto]:
+            images = images_from_blobs([e.image for e in entries], self.image_shape)
+            added += learner.refill_sleep_store(images, torch.tensor([e.class_id for e in entries]),
+                                                torch.tensor([e.seq for e in entries]))
+            seq = entries[-1].seq
+        log.info("sleep: the latent store filled again with %d samples in %.1f s", added, time.perf_counter() - t0)
 
     def request_sleep(self, fresh: bool = False) -> None:
         """Sleep as soon as nothing is waiting, however little is new; `fresh`: the top trained again from its

@@ -7,10 +7,15 @@ file and `trained_upto`. A crash before the commit leaves the previous checkpoin
 (and an orphan file, removed at the next start); after it, the new one. The buffer rows and
 the file are thus always of the same lineage, and on start the learner resumes from the last
 committed checkpoint and trains again on every acknowledged sample after `trained_upto`.
+
+Each checkpoint row records its file's sha256: a file cut short, garbled or replaced by another lineage's is set
+aside when it is read (`service.storage.integrity`), the rows that name it go, and the lineage starts again from
+the ingest log's retained samples.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 from pathlib import Path
@@ -21,6 +26,7 @@ from learner.methods.base import ContinualLearner
 from service.storage.db import Database
 from service.storage.durable import write_durably
 from service.storage.errors import IncompatibleCheckpoint
+from service.storage.integrity import Damage, sha256_of
 from service.storage.store import images_from_blobs
 
 SCHEMA = """
@@ -37,14 +43,18 @@ class CheckpointStore:
     with each checkpoint; a restore under others is refused, since it would train the lineage on
     otherwise than it was trained, or fail on weights of another form."""
 
-    def __init__(self, db: Database, directory: Path, identity: dict[str, str] | None = None):
+    def __init__(self, db: Database, directory: Path, identity: dict[str, str] | None = None,
+                 damage: Damage | None = None):
         self.db = db
         self.directory = directory
         self.identity = identity or {}
+        self.damage = damage or Damage()
         self._read_ahead: tuple[str, dict] | None = None  # the file `saved_identity` read, for `restore`
         directory.mkdir(parents=True, exist_ok=True)
         with db.schema() as schema:
             schema.executescript(SCHEMA)
+            if "sha256" not in schema["checkpoints"].columns_dict:  # databases of earlier versions: not checked
+                schema["checkpoints"].add_column("sha256", str)
 
     def trained_upto(self) -> int:
         """The last committed checkpoint's trained_upto (0: none yet)."""
@@ -60,9 +70,9 @@ class CheckpointStore:
         """The settings the last committed checkpoint was trained under (None: no checkpoint, or one
         from before they were saved)."""
         row = self.latest()
-        if row is None or not (self.directory / row["file"]).exists():
+        state = None if row is None else self._read_intact(row)
+        if state is None:
             return None
-        state = self._read(row["file"])
         self._read_ahead = (row["file"], state)  # start-up restores right after: one read of the file
         return state.get("service_extra", {}).get("identity")
 
@@ -78,6 +88,7 @@ class CheckpointStore:
         buf = io.BytesIO()
         torch.save(state, buf)
         write_durably(self.directory / name, buf.getvalue())
+        digest = hashlib.sha256(buf.getbuffer()).hexdigest()
         try:
             with self.db.write() as conn:
                 if buffer is not None:
@@ -85,8 +96,9 @@ class CheckpointStore:
                     images, labels = buffer["images"].numpy(), buffer["labels"].tolist()
                     conn.executemany("INSERT INTO buffer (slot, class_id, image) VALUES (?, ?, ?)",
                                      [(i, labels[i], images[i].tobytes()) for i in range(len(labels))])
-                cid = conn.execute("INSERT INTO checkpoints (file, trained_upto, steps, created) VALUES (?, ?, ?, ?)",
-                                   (name, trained_upto, learner.steps, time.time())).lastrowid
+                cid = conn.execute("INSERT INTO checkpoints (file, trained_upto, steps, created, sha256) "
+                                   "VALUES (?, ?, ?, ?, ?)",
+                                   (name, trained_upto, learner.steps, time.time(), digest)).lastrowid
         except BaseException:
             (self.directory / name).unlink(missing_ok=True)
             raise
@@ -97,10 +109,11 @@ class CheckpointStore:
         """Load the last committed checkpoint into `learner`; returns its trained_upto (0: none) and
         the `extra` saved with it."""
         row = self.latest()
+        state = None if row is None else self._read_intact(row)
+        row = row if state is not None else None  # a damaged one is gone: the lineage starts again
         self._remove_files_except(row["file"] if row else None)
         if row is None:
             return 0, {}
-        state = self._read(row["file"])
         extra = state.pop("service_extra", {})
         self._check_identity(row["file"], state["method"], extra.pop("identity", None), learner)
         meta = state.pop("buffer_meta", None)
@@ -118,14 +131,29 @@ class CheckpointStore:
         learner.load_state_dict(state)
         return row["trained_upto"], extra
 
-    def _read(self, file: str) -> dict:
-        """A checkpoint file's state, the one read ahead if it is that file (taken once)."""
+    def _read_intact(self, row: dict) -> dict | None:
+        """The row's checkpoint state, the one read ahead if it is that file (taken once); None where the file is
+        missing or damaged, which is then set aside with every checkpoint row (the lineage starts again)."""
         ahead, self._read_ahead = self._read_ahead, None
-        if ahead is not None and ahead[0] == file:
+        if ahead is not None and ahead[0] == row["file"]:
             return ahead[1]
-        # onto the CPU: the learner copies what it needs to its device, and its generators' states
-        # must stay CPU tensors (a checkpoint written on a GPU restores on a CPU and the other way)
-        return torch.load(self.directory / file, weights_only=True, map_location="cpu")
+        path = self.directory / row["file"]
+        try:
+            if row.get("sha256") and sha256_of(path) != row["sha256"]:
+                raise ValueError("its sha256 is not the one written")
+            # onto the CPU: the learner copies what it needs to its device, and its generators' states
+            # must stay CPU tensors (a checkpoint written on a GPU restores on a CPU and the other way)
+            state = torch.load(path, weights_only=True, map_location="cpu")
+            if not isinstance(state, dict) or "method" not in state:
+                raise ValueError("it holds no learner")
+            return state
+        except Exception as exc:  # missing, cut short, garbled: torch.load's and pickle's many errors
+            reason = "missing" if not path.exists() else str(exc).splitlines()[0][:200]
+            self.damage.set_aside(path, reason, "checkpoint", "the learner trains again over the ingest log's retained samples")
+            with self.db.write() as conn:
+                conn.execute("DELETE FROM checkpoints")
+                conn.execute("DELETE FROM buffer")
+            return None
 
     def _check_identity(self, file: str, name: str, identity: dict | None, learner: ContinualLearner) -> None:
         """`identity` is None in checkpoints from before it was saved: then the learner's name decides."""
@@ -144,9 +172,9 @@ class CheckpointStore:
         conn.execute("DELETE FROM buffer WHERE class_id = ?", (class_id,))
 
     def _remove_files_except(self, keep: str | None) -> None:
-        """Old checkpoint files and orphans of interrupted saves."""
+        """Old checkpoint files and orphans of interrupted saves (not those set aside as damaged)."""
         for f in self.directory.glob("learner-*.pt*"):
-            if f.name != keep:
+            if f.name != keep and ".damaged-" not in f.name:
                 f.unlink(missing_ok=True)
 
 

@@ -67,3 +67,15 @@ class Unavailable(ServiceError):
     """A dependency of the request is not ready now; retrying later may succeed."""
 
     code = "unavailable"
+
+
+class DamagedFile(ServiceError):
+    """A file the service wrote does not read back as it was written (cut short, overwritten, another lineage's)."""
+
+    code = "damaged_file"
+
+
+class DamagedIngestLog(DamagedFile):
+    """The ingest log, the record of what was acknowledged, is damaged: the service does not replace it."""
+
+    code = "damaged_ingest_log"

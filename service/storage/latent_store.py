@@ -6,7 +6,9 @@ the learner's memory holds only the index (a label and an arrival a sample).
 It follows the lineage as checkpoints do: each row is named by its arrival (the store's count of samples added);
 a checkpoint records the count, and a restart from it drops the rows that arrived after (their samples are trained
 again and come back). A slot evicted after the last checkpoint stays evicted: the store is a sample of the stream,
-class-balanced, not a copy of it. The file names the backbone and the latent's shape; another lineage's is emptied.
+class-balanced, not a copy of it. The file names the backbone and the latent's shape; another lineage's is emptied. It also carries a token of its own,
+which each checkpoint records: a file that is not the one the checkpoint was made with (another device's, a copy from
+another day) is `foreign` after the restore, and the worker sets it aside and fills a new one.
 A full disk costs the rows of that step (logged, counted), never the step itself.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +47,20 @@ class DiskLatentStore(LatentStore):
                 schema["latents"].add_column("sample_key", int)
         super().__init__(capacity, shape, eight_bit_input, seed)
         self.write_failures = 0  # steps whose rows a full disk refused
+        self.foreign = False  # the restored checkpoint was made with another file
         self._claim(json.dumps({**identity, "shape": list(shape)}, sort_keys=True))
+        self.token = self._token()
         self._load_index()
+
+    def _token(self) -> str:
+        with self.db.read() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'token'").fetchone()
+        if row is not None:
+            return row["value"]
+        token = uuid.uuid4().hex
+        with self.db.write() as conn:
+            conn.execute("INSERT INTO meta VALUES ('token', ?)", (token,))
+        return token
 
     def _allocate(self) -> None:
         self.codes = self.scales = None  # on disk
@@ -141,10 +156,12 @@ class DiskLatentStore(LatentStore):
         self.arrived = arrived
 
     def state_dict(self) -> dict:
-        return {"on_disk": True, "arrived": self.arrived, "generator": self.generator.get_state()}
+        return {"on_disk": True, "arrived": self.arrived, "generator": self.generator.get_state(), "token": self.token}
 
     def load_state_dict(self, state: dict) -> None:
-        self.truncate(state["arrived"])
+        self.foreign = state.get("token", self.token) != self.token  # checkpoints before tokens: not checked
+        if not self.foreign:
+            self.truncate(state["arrived"])
         self.generator.set_state(state["generator"])
 
     @property

@@ -40,6 +40,7 @@ from service import __version__
 from service.storage.db import Database
 from service.storage.durable import replace_durably
 from service.storage.errors import NotFound, SnapshotFailed
+from service.storage.integrity import Damage, sha256_of
 
 log = logging.getLogger("aser.snapshots")
 
@@ -306,7 +307,7 @@ class SnapshotStore:
     360 MB between exports that seldom come, results/pretrained/service-soak-lite0.json)."""
 
     def __init__(self, db: Database, directory: Path, method: str, timeout_s: float = 120.0, keep: int = 20,
-                 keep_exporter: bool = True):
+                 keep_exporter: bool = True, damage: Damage | None = None):
         self.db = db
         self.directory = directory
         self.method = method
@@ -321,6 +322,10 @@ class SnapshotStore:
             if "int8_size_bytes" not in schema["snapshots"].columns_dict:  # databases of earlier versions
                 schema["snapshots"].add_column("int8_size_bytes", int)
                 schema["snapshots"].add_column("int8_agreement", float)
+            if "sha256" not in schema["snapshots"].columns_dict:
+                schema["snapshots"].add_column("sha256", str)
+        self.damage = damage or Damage()
+        self.lost_latest = self._set_aside_damaged()  # the worker exports again once it has a model
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx-export")
         self._process: ExportProcess | None = None
         self._count_changed = threading.Condition()
@@ -392,14 +397,14 @@ class SnapshotStore:
     def _export(self, job: ExportJob, created: float, reason: str) -> dict:
         try:
             done = self._run(job)
-            size, int8 = done["size"], done["int8"] or {}
+            size, int8, digest = done["size"], done["int8"] or {}, sha256_of(job.path)
             with self.db.write() as conn:
                 sid = conn.execute("INSERT INTO snapshots (file, created, model_version, steps, samples_trained, "
-                                   "classes, size_bytes, reason, int8_size_bytes, int8_agreement) "
-                                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   "classes, size_bytes, reason, int8_size_bytes, int8_agreement, sha256) "
+                                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                    (job.path.name, created, job.metadata["model_version"], job.metadata["steps"],
                                     job.metadata["samples_trained"], json.dumps(job.classes), size, reason,
-                                    int8.get("size"), int8.get("agreement"))).lastrowid
+                                    int8.get("size"), int8.get("agreement"), digest)).lastrowid
                 old = conn.execute("SELECT id, file FROM snapshots WHERE id <= ?", (sid - self.keep,)).fetchall()
                 conn.execute("DELETE FROM snapshots WHERE id <= ?", (sid - self.keep,))
             for row in old:  # after the commit: a crash before it leaves every listed file in place
@@ -416,6 +421,30 @@ class SnapshotStore:
             raise
         finally:
             self._count(in_flight=-1)
+
+    def _set_aside_damaged(self) -> bool:
+        """Each listed snapshot whose file is missing, of another size or (where recorded) another sha256 is set aside
+        and unlisted, its int8 variant with it; an int8 variant alone damaged is unlisted alone. Returns whether the
+        latest was."""
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT * FROM snapshots ORDER BY id").fetchall()
+        damaged, int8_damaged = [], []
+        for row in rows:
+            path = self.directory / row["file"]
+            if reason := _file_damage(path, row["size_bytes"], row["sha256"]):
+                self.damage.set_aside(path, reason, "snapshot", "unlisted; the model is exported again")
+                int8_path(path).unlink(missing_ok=True)
+                damaged.append(row["id"])
+            elif row["int8_size_bytes"] is not None and (reason := _file_damage(int8_path(path),
+                                                                               row["int8_size_bytes"])):
+                self.damage.set_aside(int8_path(path), reason, "snapshot", "the snapshot is served without its int8 variant")
+                int8_damaged.append(row["id"])
+        if damaged or int8_damaged:
+            with self.db.write() as conn:
+                conn.executemany("DELETE FROM snapshots WHERE id = ?", [(i,) for i in damaged])
+                conn.executemany("UPDATE snapshots SET int8_size_bytes = NULL, int8_agreement = NULL WHERE id = ?",
+                                 [(i,) for i in int8_damaged])
+        return bool(rows) and rows[-1]["id"] in damaged
 
     def _count(self, in_flight: int = 0, failures: int = 0) -> None:
         with self._count_changed:
@@ -484,3 +513,14 @@ class SnapshotStore:
                 "classes": json.loads(row["classes"]), "size_bytes": row["size_bytes"], "reason": row["reason"],
                 "int8": None if row["int8_size_bytes"] is None else
                 {"size_bytes": row["int8_size_bytes"], "agreement": row["int8_agreement"]}}
+
+
+def _file_damage(path: Path, size: int, sha256: str | None = None) -> str | None:
+    """What is wrong with a snapshot file against its row (None: nothing)."""
+    if not path.exists():
+        return "missing"
+    if path.stat().st_size != size:
+        return f"{path.stat().st_size} bytes where {size} were written"
+    if sha256 is not None and sha256_of(path) != sha256:
+        return "its sha256 is not the one written"
+    return None

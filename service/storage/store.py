@@ -165,10 +165,11 @@ class IngestLog:
             return [Forgotten(r["id"], r["name"], r["forgotten"]) for r in rows]
 
     def after(self, seq: int, limit: int) -> list[LogEntry]:
-        """Up to `limit` samples with sequence number > seq, in order, without quarantined ones."""
+        """Up to `limit` samples with sequence number > seq, in order, without quarantined ones or those whose pixels
+        retention dropped (only trained ones: a lineage started again after its checkpoint was lost)."""
         with self.db.read() as conn:
             rows = conn.execute(f"SELECT seq, class_id, image, received FROM samples WHERE seq > ? AND {TRAINABLE} "
-                                "ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
+                                "AND length(image) > 0 ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
         return [LogEntry(r["seq"], r["class_id"], r["image"], r["received"]) for r in rows]
 
     def recent(self, upto: int, n: int) -> list[LogEntry]:

@@ -36,6 +36,15 @@ class WorkerHealth(BaseModel):
     recent_quarantine: list[Quarantined]
 
 
+class DamagedFile(BaseModel):
+    file: str = Field(description="the file's name when it was found damaged")
+    kind: str = Field(description="latent_store, checkpoint or snapshot")
+    reason: str = Field(description="what was wrong (SQLite's words, a sha256 or size that differs, missing)")
+    set_aside_as: str = Field(description="its name now, beside where it was (docs/operations.md#damaged-files)")
+    at: float
+    rebuilt: str = Field(description="what the service does instead")
+
+
 class ClassAccuracy(BaseModel):
     accuracy: float
     samples: int
@@ -178,6 +187,8 @@ class Status(BaseModel):
     config: dict[str, bool | int | float | str]
     worker: WorkerHealth
     error: str | None = Field(description="why the worker thread ended, if it did")
+    damaged_files: list[DamagedFile] = Field(description="derived files found damaged when this run opened them, set "
+                                             "aside and rebuilt")
     device: str
     lag: Lag
     storage: Storage
@@ -235,6 +246,7 @@ def status(rt: Runtime) -> dict:
                    "snapshot_failures": worker.snapshots.failures, "quarantined": n_quarantined,
                    "recent_quarantine": recent},
         "error": None if worker.error is None else repr(worker.error),
+        "damaged_files": worker.damage.report(),
         "device": worker.device,
         "lag": {"seconds": round(worker.lag_seconds(), 3), "samples": backlog,
                 "max_lag_s": rt.settings.max_lag_s, "samples_skipped": p.samples_skipped,
