@@ -108,7 +108,9 @@ class Settings(BaseSettings):
                               "predictions stay fp32); ~2x faster ASER steps on CPUs with AMX / AVX-512 BF16")
     seed: int = 0
     max_batch_wait_s: float = Field(2.0, ge=0, description="train a partial batch once its oldest sample waited this long")
-    checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps")
+    checkpoint_every_steps: int = Field(100, ge=1, description="checkpoint the lineage every N training steps, and "
+                                        "at least every ASER_MAX_LAG_S / 2 seconds while it trains (what a kill "
+                                        "adds to the lag)")
     snapshot_every_steps: int = Field(500, ge=0, description="export an ONNX snapshot every N steps and whenever "
                                       "the model has learned a new class (0: only on request)")
     predict_batch_wait_ms: float = Field(1.0, ge=0, le=1000, description="how long a prediction waits for "

@@ -193,7 +193,7 @@ class Serving:
         evaluation, a publication), not every step. Without either, or without a memory to
         correct on, `averaged_model` serves."""
         buffer = getattr(self, "buffer", None)
-        self._folded = None  # the served weights change
+        self._folded = self._top_graph = None  # the served weights change
         self._held_tops = (None, {})  # ... under the same version: the top's probabilities of held samples go
         if (self.serving_bn != "memory" and not self.serving_bias) or buffer is None or len(buffer) == 0:
             self._served_copy = None
@@ -224,18 +224,22 @@ class Serving:
             yield self
         finally:
             self.serving_bn, self.serving_bias, self._served_copy = before
-            self._folded = None
+            self._folded = self._top_graph = None
 
     def inference_features(self, dtype: torch.dtype | None = None, serving: bool = True):
         """Eval-mode f_ext with BatchNorm folded into the convolutions (in `dtype`, fp32 by
         default), of the serving weights (or the trained ones), built once per weights. The folded
         tensors are new storage: later training steps do not change them."""
+        if serving and self._top_in_runtime(dtype):  # rebuilt (seconds, in a child process) only for new features
+            key = (self.features_version, id(self.serving_model))
+            if self._top_graph is None or self._top_graph[0] != key:
+                self._top_graph = (key, self.backbone.features(self.serving_model, dtype, runtime=True))
+            return self._top_graph[1]
         if self._folded is None or self._folded[0] != self.version:
             self._folded = (self.version, {})
         cache, net = self._folded[1], self.serving_model if serving else self.model
         if (id(net), dtype) not in cache:
-            runtime = {"runtime": True} if serving and self._top_in_runtime(dtype) else {}
-            cache[(id(net), dtype)] = self.backbone.features(net, dtype, **runtime)
+            cache[(id(net), dtype)] = self.backbone.features(net, dtype)
         return cache[(id(net), dtype)]
 
     def _top_in_runtime(self, dtype: torch.dtype | None) -> bool:

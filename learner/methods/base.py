@@ -167,6 +167,9 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         self._served_copy: ReducedResNet18 | None = None  # corrected on the memory (`refresh_serving`)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0  # bumps with every weight change; names the weights features came from
+        # bumps where the top's feature layers may change (a step, a load, weights put back), not where only the linear
+        # head's rows do (a forgotten class, a correction): what the served top's onnxruntime graph is built from
+        self.features_version = 0
         self.steps = 0
         self.samples_seen = 0
         self.samples_skipped = 0  # not trained on: a stream too fast (`pass_through` and `skip`)
@@ -176,6 +179,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         self.current_task_classes: torch.Tensor | None = None
         self.forgotten: set[int] = set()  # classes removed on request: never predicted again
         self._folded = None  # (version, {(id of the net, dtype): folded f_ext}) for inference
+        self._top_graph = None  # ((features_version, id of the served net), the served top in onnxruntime)
 
     # --- the step ----------------------------------------------------------------------
     def observe(self, images: torch.Tensor, labels: torch.Tensor, lean: bool = False,
@@ -406,6 +410,21 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         if self.sleeper is not None:
             self.sleeper.store.add(stored, labels, keys)
 
+    def refill_sleep_store(self, pixels: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor) -> int:
+        """Samples already learned, added again to a sleep's store whose file was lost (a device's damaged flash): their
+        stored form as `observe` keeps it, the held-back samples left out as it leaves them (matched by their stored
+        form, which the frozen part gives again bit for bit). The store's arrivals so far count as slept on. Returns
+        how many were added."""
+        stored = self.encode(pixels.to(self.device)).cpu()
+        keep = torch.ones(len(labels), dtype=torch.bool)
+        if self.held_back is not None and len(self.held_back):
+            held = {s.numpy().tobytes() for s in self.held_back.stacked()[0]}
+            keep = torch.tensor([s.numpy().tobytes() not in held for s in stored], dtype=torch.bool)
+        if bool(keep.any()):
+            self.sleeper.store.add(stored[keep].to(self.device), labels[keep].to(self.device), keys[keep])
+        self.sleeper.mark = self.sleeper.fresh_mark = self.sleeper.store.arrived
+        return int(keep.sum())
+
     def sleep(self, budget: int | None = None, should_yield=None, fresh: bool = False):
         """Train the top over what the device holds (`learner.methods.sleep`): `budget` sample-updates (by default
         the sleep's epochs times the samples new since the last, plus what a yielded one owes; `fresh`: the top
@@ -569,6 +588,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
     def weights_changed(self) -> None:
         """After every optimizer step: a new weights version, and the serving average follows."""
         self.version += 1
+        self.features_version += 1
         if self.ema is not None:
             self.ema.update(self.model)
 
@@ -577,6 +597,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
         or a lineage restarted past numbers it served before: whoever keys on the version (a cache,
         a snapshot's metadata) sees the change; cached features look older by as much."""
         self.version = max(self.version, above) + 1
+        self.features_version += 1
 
     def sgd_step(self, images: torch.Tensor, labels: torch.Tensor, extra_loss=None) -> torch.Tensor:
         """One SGD step on the mean cross-entropy of (images, labels) (plus `extra_loss()`)."""
@@ -660,6 +681,7 @@ class ContinualLearner(Serving, HeadClasses, SampleCorrections):
             self.optimizer.load_state_dict(saved_optimizer["state"])
         self.generator.set_state(state["generator"])
         self.version = state["version"] + 1  # cached features from before the load are stale
+        self.features_version += 1
         for name in COUNTERS:  # the later ones are absent from states written before them
             setattr(self, name, state.get(name, 0))
         self.forgotten = set(state.get("forgotten", ()))
