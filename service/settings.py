@@ -196,6 +196,10 @@ class Settings(BaseSettings):
                                                         "passes over everything held")
     sleep_store_mb: float = Field(512.0, gt=0, description="with ASER_SLEEP: the latent store's size on disk; when full, "
                                   "a new sample evicts a random one of the largest class")
+    pixel_store_mb: float = Field(256.0, ge=0, description="with ASER_SLEEP: the night's pixel store, the photos sent "
+                                  "as JPEG at the input size for a night to train the layers below the cut, whatever "
+                                  "ASER_RETAIN_* drop; when full, a new photo evicts a random one of the largest class "
+                                  "(0: none)")
 
     # retention (service.storage.retention): the ingest log's disk stays bounded for months
     retain_pixels_s: float = Field(86400.0, ge=0, description="drop the pixels of samples a checkpoint has trained "

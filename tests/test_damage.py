@@ -1,6 +1,6 @@
 """A device's disk is not a server's: each file the service writes, damaged while it is stopped (cut to a third, zeroed
 in its middle, or replaced by another lineage's), one at a time, on a real service. What is derived (the latent store,
-the checkpoint, the snapshots) is set aside and rebuilt, and every acknowledged sample is there; a damaged ingest log
+the checkpoint, the snapshots, the night's pixel store) is set aside and rebuilt, and every acknowledged sample is there; a damaged ingest log
 is refused in one line naming the way back."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def the_file(folder, which: str):
         return next((folder / "checkpoints").glob("learner-*.pt"))
     if which == "snapshot":
         return sorted((folder / "snapshots").glob("snapshot-*.onnx"))[-1]
-    return folder / {"latents": "latents.db", "log": "aser.db"}[which]
+    return folder / {"latents": "latents.db", "pixels": "pixels.db", "log": "aser.db"}[which]
 
 
 def damage(root, folder, which: str, how: str) -> None:
@@ -82,6 +82,7 @@ def copy_of(root, name: str):
     ("latents", "truncated"), ("latents", "zeroed"), ("latents", "another"),
     ("checkpoint", "truncated"), ("checkpoint", "zeroed"), ("checkpoint", "another"),
     ("snapshot", "truncated"), ("snapshot", "zeroed"), ("snapshot", "another"),
+    ("pixels", "truncated"), ("pixels", "another"),
 ])
 def test_a_damaged_derived_file_is_set_aside_and_rebuilt_with_every_acknowledged_sample(lineages, tiles, which, how):
     root, ours, _ = lineages
@@ -93,9 +94,10 @@ def test_a_damaged_derived_file_is_set_aside_and_rebuilt_with_every_acknowledged
         st = wait_for(server, lambda s: s["samples_trained"] == SENT and s["serving_current"], "ready and trained")
         assert st["samples_received"] == SENT and sorted(st["classes"]) == sorted(CLASSES)
         found = st["damaged_files"]
-        kind = {"latents": "latent_store", "checkpoint": "checkpoint", "snapshot": "snapshot"}[which]
+        kind = {"latents": "latent_store", "checkpoint": "checkpoint", "snapshot": "snapshot",
+                "pixels": "pixel_store"}[which]
         assert [f["kind"] for f in found] == [kind], found
-        beside = {"latents": folder, "checkpoint": folder / "checkpoints", "snapshot": folder / "snapshots"}[which]
+        beside = {"checkpoint": folder / "checkpoints", "snapshot": folder / "snapshots"}.get(which, folder)
         assert (beside / found[0]["set_aside_as"]).exists()
         assert f'aser_damaged_files_total{{kind="{kind}"}} 1.0' in httpx.get(f"{server.url}/metrics").text
         r = httpx.post(f"{server.url}/predict", files={"image": ("t.jpg", tiles[-1][1], "image/jpeg")})
@@ -106,6 +108,8 @@ def test_a_damaged_derived_file_is_set_aside_and_rebuilt_with_every_acknowledged
             httpx.post(f"{server.url}/sleep")
             st = wait_for(server, lambda s: s["sleep"]["sleeps"] >= 1 and s["sleep"]["state"] == "awake"
                           and s["sleep"]["new_samples"] == 0, "a sleep over the store filled again")
+        if which == "pixels":  # filled again from the log: every trained photo
+            assert st["storage"]["pixel_store"]["samples"] == ours["storage"]["pixel_store"]["samples"] == SENT
         if which == "checkpoint":  # the lineage trained again over the log: the model, the store and the memory
             assert st["sleep"]["store"]["samples"] == ours["sleep"]["store"]["samples"]
             assert st["buffer_size"] == ours["buffer_size"]

@@ -92,6 +92,8 @@ class CorrectionRequests:
             return Corrected(seq, label, label, seq <= w.trained_upto, Correction())
         learned = seq <= w.trained_upto and not record.quarantined
         confirmed = change.new_class == change.old_class  # kept by the learner, learned or not yet
+        if w.pixels is not None and not confirmed:  # on the file at once, as the log
+            w.pixels.correct(seq, change.new_class)
         model = self._apply(change, record.pixels) if learned or confirmed else Correction()
         self.applied_upto = change.id
         w.publish(refresh_head=True)

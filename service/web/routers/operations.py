@@ -114,6 +114,17 @@ class Storage(BaseModel):
     retention_last_error: str | None
     over_cap: bool = Field(description="the database stays above ASER_RETAIN_MAX_MB after retention's last run: "
                            "nothing trained was left to drop (the cap is soft: ingest goes on)")
+    pixel_store: PixelStoreStatus | None = Field(None, description="with ASER_SLEEP and ASER_PIXEL_STORE_MB: the "
+                                                 "photos kept for the night, whatever retention drops")
+
+
+class PixelStoreStatus(BaseModel):
+    samples: int = Field(description="photos the night's pixel store holds (JPEG at the input size)")
+    bytes: int = Field(description="their JPEG bytes")
+    capacity_bytes: int = Field(description="ASER_PIXEL_STORE_MB; when full, a new photo evicts a random one of the "
+                                "largest class")
+    classes: dict[str, int] = Field(description="photos held per class")
+    write_failures: int = Field(description="steps whose photos a full disk refused")
 
 
 class SleepStore(BaseModel):
@@ -283,11 +294,16 @@ def sleep_status(worker, classes: list[str | None]) -> dict | None:
 
 
 def storage(rt: Runtime) -> dict:
-    t = rt.retention.totals
+    t, pixels = rt.retention.totals, rt.worker.pixels
     return {"database_bytes": database_bytes(rt.db), "disk_free_bytes": shutil.disk_usage(rt.settings.data_dir).free,
             "retention_pixels_dropped": t.pixels_dropped, "retention_ids_dropped": t.ids_dropped,
             "retention_freed_bytes": t.freed_bytes, "retention_last_run": t.last_run,
-            "retention_last_error": t.last_error, "over_cap": t.over_cap}
+            "retention_last_error": t.last_error, "over_cap": t.over_cap,
+            "pixel_store": None if pixels is None else pixel_store_status(pixels.summary(), rt.store.classes())}
+
+
+def pixel_store_status(summary: dict, classes: list[str | None]) -> dict:
+    return {**summary, "classes": by_label(classes, summary["classes"])}
 
 
 def router(access: Access) -> APIRouter:
