@@ -80,7 +80,8 @@ def test_onnxruntime_runs_the_frozen_part_as_pytorch_does_on_real_photos(cut):
 
 def test_the_frozen_graphs_are_exported_in_a_child_once_and_then_read_from_the_file_cache(tmp_path, monkeypatch):
     """The exporter (torch.onnx, onnx, the trace's garbage: 40 MB kept at 160 px) stays out of the learner's process:
-    a child exports, the file cache keeps the graph for the next process, and a damaged file is exported again."""
+    a child exports, the file cache keeps the graph for the next process, and a damaged file (cut short, or a block
+zeroed) is exported again."""
     from learner.networks.frozen_runtime import FrozenGraphs, graph_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -97,6 +98,10 @@ def test_the_frozen_graphs_are_exported_in_a_child_once_and_then_read_from_the_f
     cached.write_bytes(graph[:1000])
     assert torch.equal(FrozenGraphs(frozen, 11).lower(images[:5], features=False)[0], latent[:5])
     assert cached.read_bytes() == graph  # exported again: the same bytes
+    middle = len(graph) // 2  # a block of weights zeroed: it still parses and would answer wrong; its sha256 differs
+    cached.write_bytes(graph[:middle] + bytes(4096) + graph[middle + 4096:])
+    assert torch.equal(FrozenGraphs(frozen, 11).lower(images[:5], features=False)[0], latent[:5])
+    assert cached.read_bytes() == graph
 
 
 def test_before_a_sleep_the_pixels_session_gives_back_its_largest_runs_buffers_and_answers_alike():

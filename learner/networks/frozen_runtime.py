@@ -149,29 +149,39 @@ def _code_digest() -> str:
 
 def cached_session(name: str, export, open_graph):
     """`open_graph(graph)` of the graph `name` from the file cache, or of `export()` kept there (written whole, then
-    renamed; a cache that cannot be written costs the next process the export again, a file the runtime refuses is
-    replaced)."""
+    renamed; a cache that cannot be written costs the next process the export again). A file that is not what was
+    written (its sha256 in the `.sha256` file beside it: a block zeroed in a weight still parses, and would answer
+    wrong) or that the runtime refuses is exported again."""
     path = graph_cache_dir() / f"{name}-{_code_digest()}.onnx"
+    digest_path = path.with_suffix(".sha256")
     with contextlib.suppress(OSError):
         graph = path.read_bytes()
         try:
+            if hashlib.sha256(graph).hexdigest() != digest_path.read_text().strip():
+                raise ValueError("its sha256 is not the one written")
             return open_graph(graph)
-        except Exception as exc:  # onnxruntime's own errors: a damaged file is exported again
-            log.warning("the cached graph %s could not be opened (%s): exported again", path, exc)
+        except Exception as exc:  # onnxruntime's own errors too: a damaged file is exported again
+            log.warning("the cached graph %s could not be used (%s): exported again", path, exc)
     graph = export()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{name}-*.onnx"):  # an earlier release's
+        for stale in [*path.parent.glob(f"{name}-*.onnx"), *path.parent.glob(f"{name}-*.sha256")]:  # earlier ones
             stale.unlink()
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-            try:
-                f.write(graph)
-                f.close()
-                os.replace(f.name, path)
-            except OSError:  # a full disk: no half-written file left to eat the space
-                os.unlink(f.name)
-                raise
+        _write_whole(digest_path, hashlib.sha256(graph).hexdigest().encode())
+        _write_whole(path, graph)
     return open_graph(graph)
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (a temporary file renamed)."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        try:
+            f.write(data)
+            f.close()
+            os.replace(f.name, path)
+        except OSError:  # a full disk: no half-written file left to eat the space
+            os.unlink(f.name)
+            raise
 
 
 def session_of(graph: bytes, arena: bool = True):

@@ -6,7 +6,8 @@ stream's training photos at the service's input size. (a) is a linear head on Im
 The recipe: ImageNet's weights with a new linear head; random resized crops (area 0.25-1, aspect 3/4-4/3) and
 horizontal flips at each image's own size, then the service's input rule (bilinear to `--input-size`); SGD with
 Nesterov momentum 0.9 and weight decay 5e-5, the pretrained layers at a tenth of the head's rate, a cosine schedule
-over every step, label smoothing 0.1; BatchNorm in training mode (its statistics learn the new world). The test set
+over every step, label smoothing 0.1; BatchNorm in training mode (its statistics learn the new world; `--batchnorm
+frozen` keeps ImageNet's, as the service's top does). The test set
 is measured after every epoch (never used to choose anything): the served answer is the last epoch's.
 
     python -m clients.bench.stream.finetune --dataset eurosat --data ../shared/datasets/eurosat-rgb.zip \\
@@ -44,8 +45,9 @@ class FineTuned(nn.Module):
     """Lite0 from its ImageNet weights and a new linear head; the blocks from `train_from` on trainable (0: every
     layer, the stem too), those below it frozen in eval mode (a cut, as the service's)."""
 
-    def __init__(self, input_size: int, classes: int, train_from: int = 0):
+    def __init__(self, input_size: int, classes: int, train_from: int = 0, batchnorm: str = "train"):
         super().__init__()
+        self.batchnorm = batchnorm
         self.lite0 = load_lite0(input_size)
         del self.lite0.classifier  # ImageNet's 1000 classes: not ours
         self.train_from = train_from
@@ -60,6 +62,10 @@ class FineTuned(nn.Module):
         super().train(False)  # the frozen part keeps ImageNet's statistics
         for part in [*self.trained, self.head]:
             part.train(mode)
+        if self.batchnorm == "frozen":  # the trained part's too (its scale and shift still train)
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
         return self
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -113,6 +119,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="the new head's rate")
     p.add_argument("--train-from", type=int, default=0,
                    help="the first trained block (0: the whole network; 11: the service's cut, the top alone)")
+    p.add_argument("--batchnorm", choices=["train", "frozen"], default="train",
+                   help="the trained part's BatchNorm: batch statistics (train), or ImageNet's kept (frozen)")
     p.add_argument("--lower-lr-scale", type=float, default=0.1, help="the pretrained layers' rate, over the head's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_dataset(args.dataset, args.data, train_per_class=args.train_per_class,
                         test_per_class=args.test_per_class, cache_dir=args.cache_dir,
                         input_size=args.input_size if args.dataset == PHOTOS else None)
-    model = FineTuned(args.input_size, data.num_classes, args.train_from)
+    model = FineTuned(args.input_size, data.num_classes, args.train_from, args.batchnorm)
     optimiser = torch.optim.SGD(model.parameter_groups(args.lr, args.lower_lr_scale), momentum=0.9, nesterov=True,
                                 weight_decay=5e-5)
     steps = args.epochs * (len(data.train_y) // args.batch_size)
@@ -166,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
                         "eval_cpu": eval_cpu}, state.with_suffix(".tmp"))
             state.with_suffix(".tmp").replace(state)
     last = epochs[-1]
-    name = "finetune-whole" if args.train_from == 0 else f"finetune-from-{args.train_from}"
+    name = ("finetune-whole" if args.train_from == 0 else f"finetune-from-{args.train_from}") + \
+        ("-frozen-bn" if args.batchnorm == "frozen" else "")
     result = {"reference": name, "dataset": args.dataset, "data": Path(args.data).name,
               "backbone": {"backbone": "lite0", "input_size": args.input_size, "cut": args.train_from},
               "recipe": {"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
                          "lower_lr_scale": args.lower_lr_scale, "optimiser": "sgd nesterov 0.9, wd 5e-5",
                          "schedule": "cosine by step", "label_smoothing": 0.1,
-                         "augment": "random resized crop 0.25-1 and flip", "batchnorm": "train (the trained part)"},
+                         "augment": "random resized crop 0.25-1 and flip", "batchnorm": args.batchnorm},
               "seed": args.seed, "average_accuracy": last["average_accuracy"], "accuracy": last["accuracy"],
               "accuracy_by_task": last["accuracy_by_task"], "epochs": epochs,
               "train_cpu_seconds": round(train_cpu, 1), "eval_cpu_seconds": round(eval_cpu, 1),
