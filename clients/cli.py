@@ -346,6 +346,13 @@ def status_lines(st: dict) -> str:
                      f", {s['sleeps']} sleeps, {s['new_samples']} new samples "
                      f"({s.get('new_since_fresh', 0)} since the last fresh, a night's needs "
                      f"{s['schedule'].get('night_min_new', '?')}), store {s['store']['samples']}")
+    pixels = st.get("storage", {}).get("pixel_store")
+    if pixels:
+        lines.append(f"  pixel store: {pixels['samples']} photos, {pixels['bytes'] / 2**20:.1f} of "
+                     f"{pixels['capacity_bytes'] / 2**20:.0f} MB")
+    for damaged in st.get("damaged_files", []):  # set aside at start-up: docs/operations.md#damaged-files
+        lines.append(f"  damaged at start-up: {damaged['file']} ({damaged['reason']}), set aside as "
+                     f"{damaged['set_aside_as']}; {damaged['rebuilt']}")
     return "\n".join(lines)
 
 

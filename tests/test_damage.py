@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from clients.cli import status_lines
+
 from .conftest import ROOT
 from .test_service import Server, status
 from .test_sleep import CLASSES, send, wait_for, tiles  # noqa: F401  (tiles: the fixture)
@@ -97,6 +99,7 @@ def test_a_damaged_derived_file_is_set_aside_and_rebuilt_with_every_acknowledged
         kind = {"latents": "latent_store", "checkpoint": "checkpoint", "snapshot": "snapshot",
                 "pixels": "pixel_store"}[which]
         assert [f["kind"] for f in found] == [kind], found
+        assert f"damaged at start-up: {found[0]['file']} ({found[0]['reason']})" in status_lines(st)  # `aser status`
         beside = {"checkpoint": folder / "checkpoints", "snapshot": folder / "snapshots"}.get(which, folder)
         assert (beside / found[0]["set_aside_as"]).exists()
         assert f'aser_damaged_files_total{{kind="{kind}"}} 1.0' in httpx.get(f"{server.url}/metrics").text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 
 from clients.api import ServiceClient
+from clients.cli import status_lines
 
 from .test_service import Server, status
 from .test_sleep import CLASSES, send, tiles, wait_for  # noqa: F401  (tiles: the fixture)
@@ -28,6 +29,7 @@ def test_the_pixel_store_keeps_every_trained_photo_and_follows_corrections_forge
         pixels = st["storage"]["pixel_store"]
         assert pixels["samples"] == 120 and sorted(pixels["classes"]) == sorted(CLASSES)
         assert 0 < pixels["bytes"] < 120 * 64 * 64 * 3 / 4 and pixels["capacity_bytes"] == 256 * 2**20
+        assert "pixel store: 120 photos" in status_lines(st)  # `aser status`
         with ServiceClient(server.url) as client:
             first = client.sample(1)["label"]
             other = next(c for c in CLASSES if c != first)
