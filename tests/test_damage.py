@@ -1,7 +1,7 @@
 """A device's disk is not a server's: each file the service writes, damaged while it is stopped (cut to a third, zeroed
 in its middle, or replaced by another lineage's), one at a time, on a real service. What is derived (the latent store,
-the checkpoint, the snapshots, the night's pixel store) is set aside and rebuilt, and every acknowledged sample is there; a damaged ingest log
-is refused in one line naming the way back."""
+the checkpoint, the snapshots, the night's pixel store) is set aside and rebuilt, and every acknowledged sample is
+there; a damaged ingest log is refused in one line naming the way back."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from clients.cli import status_lines
 
 from .conftest import ROOT
 from .test_service import Server, status
-from .test_sleep import CLASSES, send, wait_for, tiles  # noqa: F401  (tiles: the fixture)
+from .test_sleep import CLASSES, send, tiles, wait_for  # noqa: F401  (tiles: the fixture)
 
 SENT = 120  # tiles sent to the lineage that is damaged (30 a class)
 
@@ -57,7 +57,7 @@ def the_file(folder, which: str):
     if which == "checkpoint":
         return next((folder / "checkpoints").glob("learner-*.pt"))
     if which == "snapshot":
-        return sorted((folder / "snapshots").glob("snapshot-*.onnx"))[-1]
+        return max(p for p in (folder / "snapshots").glob("snapshot-*.onnx") if not p.name.endswith(".int8.onnx"))
     return folder / {"latents": "latents.db", "pixels": "pixels.db", "log": "aser.db"}[which]
 
 
@@ -143,8 +143,8 @@ def run_service(folder, *args):
 
 
 @pytest.mark.parametrize("how", ["truncated", "zeroed"])
-def test_a_damaged_ingest_log_is_refused_in_one_line_and_recovered_by_sqlites_recover(lineages, how):
-    root, ours, _ = lineages
+def test_a_damaged_ingest_log_is_refused_in_one_line_and_salvaged_by_recover_log(lineages, how):
+    root, _, _ = lineages
     folder = copy_of(root, f"log-{how}")
     damage(root, folder, "log", how)
     before = (folder / "aser.db").read_bytes()

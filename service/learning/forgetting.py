@@ -43,8 +43,7 @@ class ForgetRequests:
             try:
                 removed = w.learner.forget_class(forgotten.class_id)
                 w.online.forget_class(forgotten.class_id)
-                if w.pixels is not None:
-                    w.pixels.forget_class(forgotten.class_id)
+                w.stores.forget_class(forgotten.class_id)
                 w.publish(refresh_head=True)
                 w.checkpoint()
                 w.schedule.export_if_due(w.learner, w.predictor)

@@ -19,7 +19,8 @@ snapshot that fails is logged and counted; training goes on.
 The concerns beside the loop have modules of their own in this folder: which learner the data directory holds
 (`lineage`), what readers see and its corrections (`serving`), when to export (`snapshot_schedule`), setting bad samples
 aside (`quarantine`), forgetting a class (`forgetting`), the history's points (`online.HistoryRecorder`), when to
-checkpoint (`checkpointing`) and the lag bound (`lag_bound`, its arithmetic in `learner.catch_up`).
+checkpoint (`checkpointing`), the lag bound (`lag_bound`, its arithmetic in `learner.catch_up`) and a sleep's files
+(`sleep_stores`: the latent store and the night's pixel store).
 """
 
 from __future__ import annotations
@@ -42,13 +43,11 @@ from service.learning.lineage import LearnerSpec, describe_learner
 from service.learning.online import History, HistoryRecorder, OnlineAccuracy
 from service.learning.quarantine import PoisonGuard, fails_alone
 from service.learning.serving import MemoryView, Predictor, Published, Publisher
+from service.learning.sleep_stores import SleepStores
 from service.learning.snapshot_schedule import SnapshotPlan, SnapshotSchedule
 from service.metrics import Metrics
 from service.storage.checkpoints import CheckpointStore, VersionLease
 from service.storage.db import Database
-from service.storage.integrity import sqlite_damage
-from service.storage.latent_store import DiskLatentStore, store_capacity
-from service.storage.pixel_store import PixelStore
 from service.storage.snapshots import SnapshotStore
 from service.storage.store import IngestLog, LogEntry, images_from_blobs
 
@@ -131,9 +130,7 @@ class LearnerWorker:
                                                                    self.image_shape))  # a sample that keeps failing
         self._in_step: list[int] = []
         self.last_step_seconds = 0.0
-        self.latent_store: DiskLatentStore | None = None  # a sleep's latents, on disk (made at the first load)
-        self._refill_store = False  # its file was damaged: filled again from the ingest log at the first load
-        self.pixels: PixelStore | None = None  # the night's photos (with a sleep and ASER_PIXEL_STORE_MB)
+        self.stores = SleepStores(loop, spec.sleep_store_mb, store, self.image_shape, self.damage)  # a sleep's files
         self._sleep_asked = threading.Event()
         self._fresh_asked = False  # the sleep asked for trains the top again from its initial weights
         self._busy_at = time.monotonic()  # when the worker last had samples to train: idle since
@@ -164,9 +161,15 @@ class LearnerWorker:
         if not self._thread.is_alive() and self.consistent and self.progress() != self.checkpointing.saved_at:
             self.checkpoint()
         self.snapshots.close()
-        for store in (self.latent_store, self.pixels):
-            if store is not None:
-                store.close()
+        self.stores.close()
+
+    @property
+    def latent_store(self):
+        return self.stores.latents
+
+    @property
+    def pixels(self):
+        return self.stores.pixels
 
     @property
     def alive(self) -> bool:
@@ -179,17 +182,16 @@ class LearnerWorker:
         """(Re)start from the last committed checkpoint."""
         learner = self._build_learner()
         learner.warm_up()
-        self._attach_latent_store(learner)
+        self.stores.attach(learner)
         self.trained_upto, extra = self.checkpoints.restore(learner)  # the last sequence number the model has seen
-        refill = self._restore_latent_store(learner) | self._restore_pixel_store(learner, extra.get("pixel_store_token"))
+        refill = self.stores.restore(learner, self.trained_upto, extra.get("pixel_store_token"))
         self.online = OnlineAccuracy.from_state(extra.get("online"), self.loop.online_window,
                                                  self.loop.online_score_top_every)
         forgotten = self.store.forgotten()
         for f in forgotten:  # a crash may have come between the forgetting and the next checkpoint
             learner.forget_class(f.class_id)
             self.online.forget_class(f.class_id)
-            if self.pixels is not None:
-                self.pixels.forget_class(f.class_id)
+            self.stores.forget_class(f.class_id)
         self.snapshots.purge(forgotten)
         reserved = self.versions.reserved()
         if reserved and learner.version <= reserved:  # the checkpoint is older than what was served since
@@ -287,7 +289,7 @@ class LearnerWorker:
         self.consistent = True
         self._in_step = []
         self.poison.passed(e.seq for e in entries)
-        self._keep_pixels(entries, images)
+        self.stores.keep_pixels(entries, images)
         self.metrics.observe_step(self.last_step_seconds, len(entries), lean, stats)
         self.publish()
         self.recorder.stepped(self, stats)
@@ -303,7 +305,7 @@ class LearnerWorker:
         self._in_step = [e.seq for e in entries]
         self.consistent = False
         done = self.lag.skip(self.learner, entries, self.image_shape)
-        self._keep_pixels(entries)
+        self.stores.keep_pixels(entries)
         self.trained_upto = entries[-1].seq
         self.consistent = True
         self._in_step = []
@@ -312,94 +314,6 @@ class LearnerWorker:
         self._checkpoint_if_due()
 
     # --- sleep (learner.methods.sleep) ----------------------------------------------------
-    def _attach_latent_store(self, learner: ContinualLearner) -> None:
-        """A sleeping learner keeps its latents on disk, in one store for the worker's life."""
-        if learner.sleeper is None:
-            return
-        if self.latent_store is None:
-            backbone = learner.backbone
-            shape, eight_bit = backbone.stored_shape, backbone.stored_dtype == torch.uint8
-            path = self.loop.data_dir / "latents.db"
-            if reason := sqlite_damage(path):
-                self.damage.set_aside(path, reason, "latent_store", "filled again from the ingest log's retained samples")
-                self._refill_store = True
-            self.latent_store = DiskLatentStore(path, store_capacity(self.spec.sleep_store_mb, shape, eight_bit),
-                                                shape, eight_bit, backbone.identity(), self.spec.seed)
-        learner.sleeper.store = self.latent_store
-
-    def _restore_latent_store(self, learner: ContinualLearner) -> bool:
-        """After the restore: a new lineage empties the store; a damaged or another lineage's file is replaced and
-        filled from the ingest log. Returns whether it was (then a checkpoint records the new file's token)."""
-        if learner.sleeper is None:
-            return False
-        refill = bool(self.trained_upto) and (self._refill_store or self.latent_store.foreign)
-        if not self.trained_upto:  # a new lineage: nothing stored is its own
-            self.latent_store.truncate(0)
-        elif refill:
-            if self.latent_store.foreign and not self._refill_store:  # the file made for a damaged one is new
-                self._replace_latent_store(learner, "written by another lineage than the checkpoint's")
-            self._refill_latent_store(learner)
-        self._refill_store = False
-        return refill
-
-    def _replace_latent_store(self, learner: ContinualLearner, reason: str) -> None:
-        self.latent_store.close()
-        self.damage.set_aside(self.latent_store.db.path, reason, "latent_store",
-                              "filled again from the ingest log's retained samples")
-        self.latent_store = None
-        self._attach_latent_store(learner)
-
-    def _refill_latent_store(self, learner: ContinualLearner) -> None:
-        """The store's file was damaged: every retained sample the restored learner has learned, encoded again (what
-        retention dropped the pixels of is lost to the sleeps)."""
-        t0 = time.perf_counter()
-        self.latent_store.truncate(0)
-        added = sum(learner.refill_sleep_store(images, torch.tensor([e.class_id for e in entries]),
-                                               torch.tensor([e.seq for e in entries]))
-                    for entries, images in self._learned_photos())
-        log.info("sleep: the latent store filled again with %d samples in %.1f s", added, time.perf_counter() - t0)
-
-    def _learned_photos(self, chunk: int = 256):
-        """The ingest log's samples up to `trained_upto` that still have their pixels, a chunk at a time, decoded."""
-        seq = 0
-        while entries := [e for e in self.store.after(seq, chunk) if e.seq <= self.trained_upto]:
-            yield entries, images_from_blobs([e.image for e in entries], self.image_shape)
-            seq = entries[-1].seq
-
-    # --- the night's pixel store (service.storage.pixel_store) ------------------------------------
-    def _restore_pixel_store(self, learner: ContinualLearner, token: str | None) -> bool:
-        """Open the store at the first load and bring it to the restored checkpoint: a damaged file, another
-        lineage's, or a new one beside a lineage that has learned already is filled from the ingest log. Returns
-        whether it was (then a checkpoint records its token)."""
-        if learner.sleeper is None or not self.loop.pixel_store_mb:
-            return False
-        path, fill = self.loop.data_dir / "pixels.db", False
-        if self.pixels is None:
-            if reason := sqlite_damage(path):
-                self.damage.set_aside(path, reason, "pixel_store", "filled again from the ingest log's retained photos")
-            fill = not path.exists()
-            self.pixels = PixelStore(path, int(self.loop.pixel_store_mb * 2**20), self.loop.seed)
-            if token is not None and token != self.pixels.token and not fill:
-                self.pixels.close()
-                self.damage.set_aside(path, "written by another lineage than the checkpoint's", "pixel_store",
-                                      "filled again from the ingest log's retained photos")
-                self.pixels, fill = PixelStore(path, int(self.loop.pixel_store_mb * 2**20), self.loop.seed), True
-        self.pixels.truncate(self.trained_upto)
-        if not (fill and self.trained_upto):
-            return False
-        t0 = time.perf_counter()
-        for entries, images in self._learned_photos():
-            self.pixels.add([e.seq for e in entries], [e.class_id for e in entries], images)
-        log.info("the pixel store filled with %d photos from the ingest log in %.1f s", len(self.pixels),
-                 time.perf_counter() - t0)
-        return True
-
-    def _keep_pixels(self, entries: list[LogEntry], images: torch.Tensor | None = None) -> None:
-        if self.pixels is not None and entries:
-            if images is None:
-                images = images_from_blobs([e.image for e in entries], self.image_shape)
-            self.pixels.add([e.seq for e in entries], [e.class_id for e in entries], images)
-
     def request_sleep(self, fresh: bool = False) -> None:
         """Sleep as soon as nothing is waiting, however little is new; `fresh`: the top trained again from its
         initial weights over everything held."""
