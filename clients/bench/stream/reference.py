@@ -64,13 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", required=True, choices=[*sorted(CLASSES), PHOTOS])
     p.add_argument("--data", required=True)
+    p.add_argument("--train-per-class", type=int, help="the stream's photos: the first N of each class")
     p.add_argument("--input-size", type=int, default=160)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = load_dataset(args.dataset, args.data, cache_dir=args.cache_dir,
+    data = load_dataset(args.dataset, args.data, train_per_class=args.train_per_class, cache_dir=args.cache_dir,
                         input_size=args.input_size if args.dataset == PHOTOS else None)
     encoded = encoded_dataset(data, PretrainedBackbone(input_size=args.input_size), args.cache_dir)
     train, test = encoded.train_x.double(), encoded.test_x.double()
