@@ -26,6 +26,7 @@ import re
 import sqlite3
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from service.storage.errors import DamagedIngestLog
@@ -57,6 +58,19 @@ def sha256_of(path: Path) -> str:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_token(db) -> str:
+    """The random token of a derived file (its `meta` table's `token`, made on first use): each checkpoint records it,
+    so a file that is not the one the checkpoint was made with (another device's, a copy from another day) is found."""
+    with db.read() as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'token'").fetchone()
+    if row is not None:
+        return row["value"]
+    token = uuid.uuid4().hex
+    with db.write() as conn:
+        conn.execute("INSERT INTO meta VALUES ('token', ?)", (token,))
+    return token
 
 
 def check_ingest_log(path: Path) -> None:

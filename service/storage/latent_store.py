@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 from learner.memory.latent_store import LatentStore, sample_bytes
 from service.storage.db import Database
 from service.storage.errors import StorageFull
+from service.storage.integrity import file_token
 
 log = logging.getLogger("aser.worker")
 
@@ -49,18 +49,8 @@ class DiskLatentStore(LatentStore):
         self.write_failures = 0  # steps whose rows a full disk refused
         self.foreign = False  # the restored checkpoint was made with another file
         self._claim(json.dumps({**identity, "shape": list(shape)}, sort_keys=True))
-        self.token = self._token()
+        self.token = file_token(self.db)
         self._load_index()
-
-    def _token(self) -> str:
-        with self.db.read() as conn:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'token'").fetchone()
-        if row is not None:
-            return row["value"]
-        token = uuid.uuid4().hex
-        with self.db.write() as conn:
-            conn.execute("INSERT INTO meta VALUES ('token', ?)", (token,))
-        return token
 
     def _allocate(self) -> None:
         self.codes = self.scales = None  # on disk

@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import logging
 import random
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ from PIL import Image
 
 from service.storage.db import Database
 from service.storage.errors import StorageFull
+from service.storage.integrity import file_token
 
 log = logging.getLogger("aser.worker")
 
@@ -68,18 +68,8 @@ class PixelStore:
         self.capacity_bytes = capacity_bytes
         self.random = random.Random(seed)
         self.write_failures = 0  # steps whose photos a full disk refused
-        self.token = self._token()
+        self.token = file_token(self.db)
         self._load_index()
-
-    def _token(self) -> str:
-        with self.db.read() as conn:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'token'").fetchone()
-        if row is not None:
-            return row["value"]
-        token = uuid.uuid4().hex
-        with self.db.write() as conn:
-            conn.execute("INSERT INTO meta VALUES ('token', ?)", (token,))
-        return token
 
     def _load_index(self) -> None:
         with self.db.read() as conn:
