@@ -79,6 +79,7 @@ class PixelStore:
         for r in rows:
             self.by_class.setdefault(r["class_id"], []).append(r["seq"])
             self.sizes[r["seq"]] = r["size"]
+        self._bytes = sum(self.sizes.values())  # kept up to date by `add`: no sum over the store a step
         self._publish()
 
     def _publish(self) -> None:
@@ -95,7 +96,7 @@ class PixelStore:
 
     @property
     def bytes(self) -> int:
-        return sum(self.sizes.values())
+        return self._bytes
 
     def class_counts(self) -> dict[int, int]:
         return {c: len(s) for c, s in self.by_class.items() if s}
@@ -118,6 +119,7 @@ class PixelStore:
                 victim = self._victim(class_id)
                 total -= self.sizes.pop(victim)
                 evicted.append(victim)
+        self._bytes = total
         try:
             with self.db.write() as conn:
                 conn.executemany("DELETE FROM pixels WHERE seq = ?", [(s,) for s in evicted])
